@@ -1,0 +1,160 @@
+"""AnvilAndAdam and track_1_short.distributed across processes: gloo on CPU.
+
+Scope: W ranks (2 and 4), each computing gradients on its slice of the same global batch, end with
+the parameters one process gets on the whole batch (within 1e-5 relative, fp32), over 6 steps that
+cover ANVIL banks (wide, square, tall 2-slot), sharded Adam tables with and without dim-0 padding,
+replicated scalars, the value_embeds gradient buffer, the tied embed/lm_head and the untie. Also:
+a missing rank is named by check_ranks_alive, grad_accum_steps, the single-process fallback.
+Hardware: CPU only, spawns processes (~30 s on 2 cores).
+Run: `.venv/bin/python -m pytest tests/test_anvil_distributed.py -q`.
+"""
+
+import os
+import re
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from track_1_short.distributed import (check_ranks_alive, destroy_distributed, grad_accum_steps,
+                                       init_distributed)
+from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
+
+VOCAB, DIM, LAYERS, GLOBAL_BATCH, SEQ, STEPS, UNTIE_STEP = 50, 16, 4, 8, 6, 6, 1
+
+
+class Net(nn.Module):
+    """Synthetic model with the real parameter kinds: banks of N=4 matrices (a multiple of 2 and 4),
+    embed with 50 rows (padded to 52 on 4 ranks), value_embeds with 102 rows (padded on 4)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        r = lambda *s, scale=0.3: nn.Parameter(torch.randn(*s, generator=gen) * scale)
+        self.qk_bank = r(LAYERS, 8, DIM)
+        self.vo_bank = r(LAYERS, DIM, DIM)
+        self.mlp_bank = r(LAYERS, 2, 2 * DIM, DIM)
+        self.lm_head = r(DIM, VOCAB)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.embed.weight = nn.Parameter(self.lm_head.data.T.clone())
+        self.value_embeds = nn.Embedding(2 * VOCAB + 2, DIM)
+        self.value_embeds.weight = r(2 * VOCAB + 2, DIM)
+        self.scalars = nn.Parameter(torch.tensor([0.5, 0.7, 0.9]))
+        self.smear_gate = r(1, 4)
+
+    def forward(self, ids, targets):
+        pos = torch.arange(ids.size(1)) % 2
+        x = self.embed(ids) + self.scalars[0] * self.value_embeds(ids + VOCAB * pos)  # [B, T, D]
+        for i in range(LAYERS):
+            x = x + self.scalars[1] * torch.tanh(x @ self.vo_bank[i].T)
+            x = x + 0.1 * (x @ self.qk_bank[i].T) @ self.qk_bank[i]
+            x = x + self.scalars[2] * torch.relu(x @ self.mlp_bank[i, 0].T) @ self.mlp_bank[i, 1]
+            x = x * torch.sigmoid(x[..., :4] @ self.smear_gate.T)
+        logits = x @ self.lm_head  # [B, T, V]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """STEPS optimizer steps; this rank's gradient comes from its slice of each global batch."""
+    model = Net()
+    names = {p: n for n, p in model.named_parameters()}
+    opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig(), names=names,
+                       tied_embed_head=(model.embed.weight, model.lm_head))
+    ve = model.value_embeds.weight
+    grad_accum = torch.zeros_like(ve)  # stands in for ValueEmbedPull.grad_accum
+    opt.set_grad_buffer(ve, grad_accum)
+    per_rank = GLOBAL_BATCH // world_size
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
+        mine = ids[rank * per_rank:(rank + 1) * per_rank]
+        model(mine[:, :-1], mine[:, 1:]).backward()
+        grad_accum.add_(ve.grad)
+        ve.grad = None
+        opt.step(step, lr_scale=1.0 - 0.1 * step)
+        if step == UNTIE_STEP:
+            opt.untie_embed_head()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=60, device_type="cpu")
+    assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, world_size, "gloo")
+    torch.save(train(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_process_result():
+    # tiny shapes: extra threads only contend (seconds instead of 0.1 s on a loaded 2-core box)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(0, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_matches_single_process(world_size, single_process_result, tmp_path):
+    mp.spawn(_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size)
+    start = Net()
+    for rank in range(world_size):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, ref in single_process_result.items():
+            got = result[name]
+            moved = (ref - dict(start.named_parameters())[name]).norm()
+            assert moved > 0, f"{name} never updated"
+            err = ((got - ref).norm() / ref.norm()).item()
+            assert err < 1e-5, f"rank {rank}/{world_size}: {name} relative error {err:.2e}"
+
+
+def _liveness_worker(rank: int, port: int, out_dir: str):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = init_distributed(timeout_s=30, device_type="cpu")
+    if rank == 1:
+        time.sleep(2.5)  # never reaches the barrier (rank 0 gives up after 1 s)
+        return
+    try:
+        check_ranks_alive(ctx, timeout_s=1.0)
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, "liveness.txt"), "w") as f:
+        f.write(message)
+
+
+def test_check_ranks_alive_names_the_missing_rank(tmp_path):
+    mp.spawn(_liveness_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    message = (tmp_path / "liveness.txt").read_text()
+    assert re.search(r"Ranks? 1 failed to pass monitoredBarrier", message), message
+
+
+def test_single_process_fallback(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ctx = init_distributed(timeout_s=10, device_type="cpu")
+    assert (ctx.rank, ctx.world_size, ctx.backend, ctx.device.type) == (0, 1, None, "cpu")
+    destroy_distributed()
+    with pytest.raises(ValueError, match="timeout_s"):
+        init_distributed(timeout_s=0)
+
+
+def test_grad_accum_steps():
+    assert [grad_accum_steps(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    for bad in (3, 5, 16, 0):
+        with pytest.raises(ValueError, match="world_size"):
+            grad_accum_steps(bad)

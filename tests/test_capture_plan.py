@@ -1,0 +1,78 @@
+"""Capture plan: keys from the schedule and the derived warmup visit plan.
+
+CPU only, pure Python, < 1 s: `.venv/bin/python -m pytest tests/test_capture_plan.py -q`.
+"""
+
+import dataclasses
+
+from track_1_short.perf.cuda_graphs.capture_plan import (StepGraphKey, describe_plan, key_uses,
+                                                         step_keys, warmup_visit_plan)
+from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig
+
+SPEEDRUN = Schedule(ScheduleConfig())
+
+
+def test_speedrun_keys():
+    keys = step_keys(SPEEDRUN)
+    assert len(keys) == SPEEDRUN.num_steps
+    distinct = list(dict.fromkeys(keys))
+    assert distinct == [
+        StepGraphKey(16384, 64, 3, 0, 128, 384, 896),
+        StepGraphKey(32768, 96, 2, 0, 384, 896, 2048),
+        StepGraphKey(49152, 128, 1, 0, 640, 1408, 2048),
+        StepGraphKey(49152, 128, 1, 0, 768, 1664, 2048),
+    ]
+    for step, key in enumerate(keys):
+        assert key == distinct[SPEEDRUN.plan(step).stage_index]
+    assert hash(keys[0]) == hash(tuple(keys[0])) and tuple(keys[0])[0] == 16384
+
+
+def test_candidates_enter_the_key():
+    keys = step_keys(SPEEDRUN, candidates_for_step=lambda step: 4096 if step < 423 else 0)
+    assert keys[0].candidates == 4096 and keys[423].candidates == 0
+
+
+def test_speedrun_visit_plan_is_the_records_list():
+    assert warmup_visit_plan(SPEEDRUN) == [0, 1, 421, 422, 423, 424, 845, 846, 847, 848, 1268,
+                                           1269, 1270, 1271]
+
+
+def _check_plan(schedule: Schedule):
+    keys, visits = step_keys(schedule), warmup_visit_plan(schedule)
+    assert visits == sorted(set(visits)) and all(0 <= s < schedule.num_steps for s in visits)
+    for use in key_uses(keys, visits):
+        assert len(use.visits) >= 2, use
+    cfg = schedule.cfg
+    assert {s % cfg.adam_every for s in visits} == set(range(cfg.adam_every))
+    assert {schedule.ngram_pending(s) for s in visits} == set(range(cfg.ngram_cycle))
+    for transition in schedule.transitions():
+        assert {transition.step - 1, transition.step} <= set(visits)
+    return keys, visits
+
+
+def test_plan_covers_cadences_and_transitions():
+    _check_plan(SPEEDRUN)
+    _check_plan(Schedule(ScheduleConfig(adam_every=3, ngram_cycle=4)))
+
+
+def test_short_stage_still_visited_twice():
+    stages = list(SPEEDRUN_STAGES)
+    stages.insert(1, dataclasses.replace(SPEEDRUN_STAGES[1], name="B0", num_steps=2, ws_short=256))
+    keys, visits = _check_plan(Schedule(ScheduleConfig(stages=tuple(stages))))
+    assert len(set(keys)) == 5
+
+
+def test_describe_plan_lists_every_key():
+    keys, visits = step_keys(SPEEDRUN), warmup_visit_plan(SPEEDRUN)
+    text = describe_plan(SPEEDRUN, keys, visits)
+    assert "4 keys over 1285 steps" in text
+    assert "1270,1271" in text and "0,1,421,422" in text
+    assert len(text.splitlines()) == 6
+
+
+def test_truncated_run_plans_only_reached_keys():
+    keys = step_keys(SPEEDRUN, num_steps=424)
+    assert len(keys) == 424 and len(set(keys)) == 2
+    visits = warmup_visit_plan(SPEEDRUN, num_steps=424)
+    assert visits == [0, 1, 421, 422, 423, 423]  # key B serves one step: visited there twice
+    assert [len(use.visits) for use in key_uses(keys, visits)] == [4, 2]

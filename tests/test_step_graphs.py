@@ -1,0 +1,529 @@
+"""StepGraphs logic on CPU, over the CUDA-graph stand-in (capture_support.RecordingGraphBackend).
+
+Scope: static-input copies and output aliasing, gradient handoff (ANVIL direct, Adam and
+micro-step accumulators), the n-gram ring, seal, key/YaRN/sampled-loss guards, the self-check,
+capture-error translation, the eager twin's parity and `python -O` safety. The model, n-gram
+table, value-embed pull and optimizer are small FAKES with the real modules' contracts (the real
+ones are exercised on the GPU by tests/test_step_graphs_gpu.py), plus one `slow` test of the real
+tiny GPT's contracts over the stand-in. Hardware: CPU; ~25 s on 2 busy cores (the real-GPT test
+~8 s, the `python -O` subprocess ~5 s).
+Run: `.venv/bin/python -m pytest tests/test_step_graphs.py -q`.
+
+Shapes: T tokens, V fake vocab, D width (= the fake n-gram row width), P sampled candidates.
+"""
+
+import copy
+import dataclasses
+import gc
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from track_1_short.data import Batch
+from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_plan
+from track_1_short.perf.cuda_graphs.capture_support import (
+    CaptureError, RecordingGraphBackend, StepGraphError, paused_gc)
+from track_1_short.perf.cuda_graphs.step_graphs import (
+    EagerStep, StepGraphs, StepGraphsConfig, make_step_runner, sampled_check_steps, training_loss)
+from track_1_short.schedule import Schedule, ScheduleConfig, StageConfig, StepPlan
+
+V, D, CACHE_ROWS = 16, 8, 32
+
+
+# ---- fakes with the contracts of model/gpt.py, ngram_table.py, value_embed_pull.py, anvil.py ----
+
+@dataclass(slots=True, kw_only=True)
+class FakeForwardConfig:
+    mtp_weights: Tensor  # [n]
+    prefix_weight: Tensor  # 0-d
+    sampled_loss: Any = None
+    ws_short: int
+    ws_long: int
+    train_max_seq_len: int
+
+
+@dataclass(slots=True)
+class FakeSampledLoss:
+    rows: Tensor  # [P] candidate vocab rows
+    weights: Tensor  # [P]
+
+
+class FakeYarn(nn.Module):
+    def __init__(self, attn_scale: float):
+        super().__init__()
+        self.attn_scale = attn_scale
+        self.register_buffer("table", torch.linspace(0.5, 1.5, D))  # [D]
+
+
+class FakeNgramTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.randn(CACHE_ROWS, D))  # [R, D] device row cache
+        self.sinks: dict[int, Tensor] = {}
+
+    def grad_sink(self, tokens: int) -> Tensor:
+        if tokens not in self.sinks:
+            self.sinks[tokens] = torch.zeros(2 * tokens, D, requires_grad=True)  # [2T, D]
+        return self.sinks[tokens]
+
+
+class _ValueEmbedFn(torch.autograd.Function):
+    """Gathers rows forward; backward index_adds into the persistent grad_accum (no table grad)."""
+
+    @staticmethod
+    def forward(ctx, table, ids, grad_accum):
+        ctx.ids, ctx.grad_accum = ids, grad_accum
+        return table[ids]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.grad_accum.index_add_(0, ctx.ids, grad_out)
+        return None, None, None
+
+
+class FakeGPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bank_qk = nn.Parameter(torch.randn(D, D) * 0.3)  # ANVIL
+        self.bank_mlp = nn.Parameter(torch.randn(D, D) * 0.3)  # ANVIL
+        self.embed = nn.Parameter(torch.randn(V, D))  # Adam
+        self.gates = nn.Parameter(torch.ones(3))  # Adam
+        self.value_embed = nn.Parameter(torch.randn(V, D) * 0.1)  # Adam, grad via grad_accum
+        self.ngram = FakeNgramTable()
+        self.yarn, self.yarn_paired_head, self.yarn_wide = FakeYarn(0.1), FakeYarn(0.1), FakeYarn(0.12)
+        self.register_buffer("fp8_scale", torch.ones(()))
+
+    def forward(self, inputs, targets, cum_seqlens, ngram_slots, cfg, *, ngram_sink,
+                value_embed_grad):
+        T = inputs.numel()
+        ids = inputs.long()
+        rows = self.ngram.cache[ngram_slots.long()] + ngram_sink  # [2T, D]
+        x = self.embed[ids] + rows[:T] + rows[T:]  # [T, D]
+        x = x + _ValueEmbedFn.apply(self.value_embed, ids, value_embed_grad)
+        doc = torch.searchsorted(cum_seqlens, torch.arange(T, dtype=cum_seqlens.dtype), right=True)
+        x = x * (1 + 0.01 * doc.unsqueeze(1).float()) * self.yarn.table
+        h = torch.tanh(x @ self.bank_qk * (10 * self.yarn_wide.attn_scale))
+        h = torch.relu(h @ self.bank_mlp) * self.gates[0] + x * self.gates[1]
+        logits = (h @ self.embed.T) * self.gates[2] * self.fp8_scale  # [T, V]
+        if cfg.sampled_loss is not None:
+            logits = logits + 0.1 * cfg.sampled_loss.weights.sum()
+        ce = F.cross_entropy(logits, targets, reduction="none")  # [T]
+        loss = ce * cfg.mtp_weights[0]
+        for k in range(1, cfg.mtp_weights.numel()):
+            loss = loss + cfg.mtp_weights[k] * torch.roll(ce, -k)
+        return loss + cfg.prefix_weight * ce  # [T]
+
+
+class BakingGPT(FakeGPT):
+    """Stands in for a graph that baked an input's value: while autograd is on (warm iterations,
+    capture, replays) it uses the targets of its first call; the self-check's eager no-grad
+    forward reads the live buffer."""
+
+    baked = None
+
+    def forward(self, inputs, targets, *args, **kwargs):
+        if torch.is_grad_enabled():
+            if self.baked is None:
+                self.baked = targets.clone()
+            targets = self.baked
+        return super().forward(inputs, targets, *args, **kwargs)
+
+
+class FakeValueEmbeds:
+    def __init__(self):
+        self.grad_accum = torch.zeros(V, D)  # [V, D]
+
+
+class FakeOptimizer:
+    def __init__(self, model: FakeGPT):
+        anvil, adam = SimpleNamespace(optim="anvil"), SimpleNamespace(optim="adam")
+        self.param_cfgs = {model.bank_qk: anvil, model.bank_mlp: anvil, model.embed: adam,
+                           model.gates: adam, model.value_embed: adam}
+
+
+# ---- a tiny 4-key schedule and a harness ----
+
+def _stage(name, num_steps, tokens, cu, ws, mtp_start, mtp_end, extension=False):
+    return StageConfig(name=name, num_steps=num_steps, tokens_per_rank=tokens, ws_short=ws[0],
+                       ws_long=ws[1], max_seq_len=tokens, cu_seqlens_rows=cu,
+                       mtp_weights_start=mtp_start, mtp_weights_end=mtp_end,
+                       prefix_weight_start=0.25, prefix_weight_end=0.0, lr_mul=1.0,
+                       extension=extension)
+
+
+TINY = Schedule(ScheduleConfig(stages=(
+    _stage("A", 6, 16, 4, (128, 384), (1.0, 0.5, 0.25), (1.0, 0.5, 0.0)),
+    _stage("B", 6, 24, 5, (384, 896), (1.0, 0.5), (1.0, 0.0)),
+    _stage("C", 4, 32, 6, (640, 1408), (1.0,), (1.0,)),
+    _stage("D", 3, 32, 6, (768, 1664), (1.0,), (1.0,), extension=True),
+)))
+MAX_TOKENS = 32
+
+
+def make_batch(plan: StepPlan, seed: int, tokens: int | None = None) -> tuple[Batch, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    T = tokens or plan.tokens_per_rank
+    inner = torch.randperm(T - 1, generator=g)[:plan.cu_seqlens_rows - 2].sort().values + 1
+    cum = torch.cat([torch.zeros(1, dtype=torch.int64), inner, torch.tensor([T])]).int()  # [C]
+    batch = Batch(inputs=torch.randint(0, V, (T,), generator=g, dtype=torch.int32),
+                  targets=torch.randint(0, V, (T,), generator=g), cum_seqlens=cum)
+    return batch, torch.randint(0, CACHE_ROWS, (2 * T,), generator=g)  # ngram_slots [2T]
+
+
+def make_cfg(plan: StepPlan, sampled_loss=None) -> FakeForwardConfig:
+    return FakeForwardConfig(mtp_weights=torch.tensor(plan.mtp_weights),
+                             prefix_weight=torch.tensor(plan.prefix_weight),
+                             sampled_loss=sampled_loss, ws_short=plan.ws_short,
+                             ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
+
+
+class Harness:
+    def __init__(self, model_cls=FakeGPT, graphs=True, grad_accum_steps=1, keys=None, **config):
+        torch.manual_seed(0)
+        self.model = model_cls()
+        self.value_embeds = FakeValueEmbeds()
+        self.keys = keys or step_keys(TINY)
+        config = StepGraphsConfig(**{"mode": "on" if graphs else "off", "warm_iterations": 1,
+                                     **config})
+        self.runner = make_step_runner(
+            config, model=self.model, optimizer=FakeOptimizer(self.model), step_keys=self.keys,
+            ngram_table=self.model.ngram, value_embeds=self.value_embeds,
+            max_step_tokens=MAX_TOKENS, adam_every=TINY.cfg.adam_every,
+            grad_accum_steps=grad_accum_steps, backend=RecordingGraphBackend())
+
+    def step(self, step: int, seed: int | None = None, micro_step: int = 0, **batch_kw):
+        """One train_step's runner calls; returns (loss value, held n-gram gradient)."""
+        plan = TINY.plan(step)
+        batch, slots = make_batch(plan, step * 100 + micro_step if seed is None else seed, **batch_kw)
+        loss = self.runner.forward(step, batch, slots, make_cfg(plan), micro_step=micro_step)
+        value = loss.item()  # the graph's loss is overwritten by the next replay: read it now
+        ngram_grad = self.runner.backward()
+        held = self.runner.hold_ngram_grad(ngram_grad, TINY.ngram_pending(step),
+                                           plan.ngram_event)
+        return value, held
+
+    def warmup_and_seal(self):
+        for step in warmup_visit_plan(TINY):
+            self.step(step)
+        self.runner.seal()
+
+
+def reference_grads(model: FakeGPT, step: int, seed: int | None = None) -> dict[str, Tensor]:
+    """Gradients of one step on a copy of the model (autograd, no runner)."""
+    model = copy.deepcopy(model)
+    plan = TINY.plan(step)
+    batch, slots = make_batch(plan, step * 100 if seed is None else seed)
+    sink = torch.zeros(2 * plan.tokens_per_rank, D, requires_grad=True)
+    loss = training_loss(model, batch.inputs, batch.targets, batch.cum_seqlens, slots,
+                         make_cfg(plan), sink, torch.zeros(V, D))
+    loss.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+# ---- tests ----
+
+def test_replay_reads_new_batch_and_overwrites_kept_loss():
+    h = Harness()
+    plan = TINY.plan(0)
+    batch0, slots0 = make_batch(plan, 1)
+    kept = h.runner.forward(0, batch0, slots0, make_cfg(plan))
+    first = kept.item()
+    h.runner.backward()
+    batch1, slots1 = make_batch(plan, 2)
+    again = h.runner.forward(2, batch1, slots1, make_cfg(TINY.plan(2)))
+    h.runner.backward()
+    assert again is kept  # one output address per key
+    with torch.no_grad():
+        eager = training_loss(h.model, batch1.inputs, batch1.targets, batch1.cum_seqlens, slots1,
+                              make_cfg(TINY.plan(2)), h.model.ngram.sinks[16], torch.zeros(V, D))
+    assert kept.item() == pytest.approx(eager.item(), rel=1e-6) and kept.item() != first
+
+
+def test_anvil_grad_is_the_graph_buffer():
+    h = Harness()
+    h.step(0)
+    cs = h.runner.captured[h.keys[0]]
+    graph_grads = {id(p): g for p, g in cs.grads}
+    bank = h.model.bank_qk
+    assert bank.grad is graph_grads[id(bank)]
+    ptr, before = bank.grad.data_ptr(), bank.grad.clone()
+    h.step(1)
+    assert bank.grad.data_ptr() == ptr and not torch.equal(bank.grad, before)
+    torch.testing.assert_close(bank.grad, reference_grads(h.model, 1)["bank_qk"])
+
+
+def test_adam_copy_then_add_with_stable_accumulator():
+    h = Harness()
+    ref = [reference_grads(h.model, s) for s in range(3)]  # params do not change: no optimizer
+    h.step(0)
+    acc = h.model.embed.grad
+    ptr = acc.data_ptr()
+    torch.testing.assert_close(acc, ref[0]["embed"])
+    h.step(1)
+    assert h.model.embed.grad is acc and acc.data_ptr() == ptr
+    torch.testing.assert_close(acc, ref[0]["embed"] + ref[1]["embed"])
+    torch.testing.assert_close(h.model.gates.grad, ref[0]["gates"] + ref[1]["gates"])
+    h.model.embed.grad = None  # an optimizer that clears .grad does not change the cadence
+    h.step(2)
+    assert h.model.embed.grad is acc
+    torch.testing.assert_close(acc, ref[2]["embed"])
+    assert h.model.value_embed.grad is None  # its gradient goes to grad_accum
+    assert h.value_embeds.grad_accum.abs().sum() > 0
+
+
+def test_micro_steps_accumulate_anvil_grads():
+    h = Harness(grad_accum_steps=2)
+    h.step(0, micro_step=0)
+    g0 = h.model.bank_qk.grad.clone()
+    h.step(0, micro_step=1)
+    assert not any(h.model.bank_qk.grad is g for _, g in h.runner.captured[h.keys[0]].grads)
+    torch.testing.assert_close(h.model.bank_qk.grad,
+                               g0 + reference_grads(h.model, 0, seed=1)["bank_qk"])
+    with pytest.raises(StepGraphError, match="micro_step 2"):
+        h.step(0, micro_step=2)
+
+
+def test_ngram_ring_slot_choice_and_bound():
+    h = Harness()
+    _, held_event = h.step(1)  # odd step: update event consumes the graph buffer directly
+    cs = h.runner.captured[h.keys[1]]
+    assert held_event is cs.ngram_grad
+    _, held = h.step(2)  # even step: held in ring slot 0
+    assert held.data_ptr() == h.runner.ngram_grad_ring[0].data_ptr()
+    assert held.shape == (2 * 16, D)
+    kept = held.clone()
+    h.step(3)  # the replay overwrites the graph's buffer, not the ring slot
+    assert torch.equal(held, kept) and not torch.equal(cs.ngram_grad, kept)
+    assert len(h.runner.ngram_grad_ring) == 8
+    with pytest.raises(StepGraphError, match="8 n-gram gradients already held"):
+        h.runner.hold_ngram_grad(cs.ngram_grad, 8, False)
+
+
+def test_seal_missing_and_unchecked_keys_are_fatal():
+    h = Harness()
+    h.step(0)
+    with pytest.raises(StepGraphError, match=r"never captured.*tokens=24"):
+        h.runner.seal()
+    h = Harness()
+    for step in (0, 1, 6, 7, 12, 13, 16):
+        h.step(step)
+    with pytest.raises(StepGraphError, match=r"never self-checked.*ws_long=1664"):
+        h.runner.seal()
+    h.step(17)
+    h.runner.seal()
+
+
+def test_unplanned_shape_after_seal_names_the_key():
+    h = Harness()
+    h.warmup_and_seal()
+    h.step(3)
+    with pytest.raises(StepGraphError, match=r"step 3: live key .*tokens=20.* != schedule key"):
+        h.step(3, tokens=20)
+    with pytest.raises(StepGraphError, match="outside the planned training steps"):
+        h.runner.forward(19, *make_batch(TINY.plan(18), 0), make_cfg(TINY.plan(18)))
+
+
+def test_yarn_scale_change_after_capture_raises():
+    h = Harness()
+    h.step(0)
+    h.model.yarn_wide.attn_scale = 0.13
+    with pytest.raises(StepGraphError, match=r"step 1.*YaRN attention scales .*0\.13.* != captured"):
+        h.step(1)
+
+
+def test_sampled_loss_identity():
+    keys = [k._replace(candidates=4) for k in step_keys(TINY)]
+    h = Harness(keys=keys)
+    sampled = FakeSampledLoss(rows=torch.arange(4), weights=torch.ones(4))
+    plan = TINY.plan(0)
+    h.runner.forward(0, *make_batch(plan, 0), make_cfg(plan, sampled))
+    h.runner.backward()
+    roles = dict(h.runner.baked_tensors())
+    assert any(role.endswith("sampled_loss.rows") for role in roles)
+    other = FakeSampledLoss(rows=torch.arange(4), weights=torch.ones(4))
+    with pytest.raises(StepGraphError, match="sampled_loss object .* is not the captured one"):
+        h.runner.forward(1, *make_batch(plan, 1), make_cfg(plan, other))
+
+
+def test_self_check_catches_a_baked_value():
+    h = Harness(model_cls=BakingGPT)
+    h.step(0)
+    with pytest.raises(StepGraphError, match=r"step 1: step graph .* replay loss .* != eager"):
+        h.step(1)
+
+
+def test_self_check_passes_and_check_mode_samples_timed_steps():
+    h = Harness(mode="check", check_fraction=1.0)
+    h.warmup_and_seal()
+    stats = h.runner.stats[h.keys[0]]
+    assert stats.self_checks == 1 and stats.replay_ms is not None
+    h.step(2)
+    h.step(3)
+    assert stats.self_checks == 3
+    assert sampled_check_steps(1000, 0.1, 7) == sampled_check_steps(1000, 0.1, 7)
+    assert 50 < len(sampled_check_steps(1000, 0.1, 7)) < 150
+
+
+def test_capture_report_rows():
+    h = Harness()
+    h.warmup_and_seal()
+    rows = h.runner.capture_report()
+    assert [row["key"]["tokens"] for row in rows] == [16, 24, 32, 32]
+    assert [row["steps_served"] for row in rows] == [6, 6, 4, 3]
+    for row in rows:
+        assert row["capture_s"] > 0 and row["pool_mib_added"] is None
+        assert row["eager_ms"] > 0 and row["replay_ms"] > 0 and row["self_checks"] == 1
+
+
+def test_capture_error_names_key_and_host_sync():
+    backend = RecordingGraphBackend()
+
+    def loss_fn():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureError, match=r"forward of step graph KEY-A .*host sync.*\.item\(\)"):
+        backend.capture_pair(backend.new_graph(), backend.new_graph(), loss_fn, [], pool=None,
+                             stream=None, key="KEY-A")
+    with pytest.raises(RuntimeError, match="unrelated") as info:
+        backend.capture_pair(backend.new_graph(), backend.new_graph(),
+                             lambda: (_ for _ in ()).throw(RuntimeError("unrelated")), [],
+                             pool=None, stream=None, key="KEY-A")
+    assert not isinstance(info.value, CaptureError)
+
+
+def test_paused_gc_restores_state():
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_eager_twin_matches_graphs():
+    graphs, eager = Harness(), Harness(graphs=False)
+    assert isinstance(graphs.runner, StepGraphs) and isinstance(eager.runner, EagerStep)
+    assert list(eager.runner.baked_tensors()) == [] and eager.runner.capture_report() == []
+    visits = warmup_visit_plan(TINY)
+    for step in visits + [2, 3, 8, 9]:
+        if step == 2:  # the timed run starts after the warmup and its in-place reset
+            for h in (graphs, eager):
+                # warm iterations and capture also added into grad_accum (graphs only)
+                h.value_embeds.grad_accum.zero_()
+                h.runner.seal()
+        loss_g, held_g = graphs.step(step)
+        loss_e, held_e = eager.step(step)
+        assert loss_g == pytest.approx(loss_e, rel=1e-6)
+        torch.testing.assert_close(held_g, held_e)
+        for (name, pg), pe in zip(graphs.model.named_parameters(), eager.model.parameters()):
+            assert (pg.grad is None) == (pe.grad is None), name
+            if pg.grad is not None:
+                torch.testing.assert_close(pg.grad, pe.grad, msg=name)
+    torch.testing.assert_close(graphs.value_embeds.grad_accum, eager.value_embeds.grad_accum)
+    bounded = EagerStep(eager.model, FakeOptimizer(eager.model), eager.keys, eager.model.ngram,
+                        eager.value_embeds, adam_every=2, ngram_ring_slots=3)
+    with pytest.raises(StepGraphError, match="3 n-gram gradients already held"):
+        bounded.hold_ngram_grad(held_e, 3, False)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="--graphs"):
+        StepGraphsConfig(mode="maybe")
+    with pytest.raises(ValueError, match="check_fraction"):
+        StepGraphsConfig(check_fraction=2.0)
+    with pytest.raises(ValueError, match="warm_iterations"):
+        StepGraphsConfig(warm_iterations=0)
+
+
+def test_guards_survive_python_O():
+    script = (
+        "import torch\n"
+        "from track_1_short.data import Batch\n"
+        "from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey\n"
+        "from track_1_short.perf.cuda_graphs.step_graphs import StepGraphError, check_key\n"
+        "from types import SimpleNamespace as NS\n"
+        "assert False  # stripped under -O\n"
+        "b = Batch(torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int64),\n"
+        "          torch.zeros(3, dtype=torch.int32))\n"
+        "cfg = NS(mtp_weights=torch.ones(1), sampled_loss=None, ws_short=128, ws_long=256,\n"
+        "         train_max_seq_len=8)\n"
+        "try:\n"
+        "    check_key(0, b, cfg, [StepGraphKey(16, 3, 1, 0, 128, 256, 8)])\n"
+        "except StepGraphError as e:\n"
+        "    print('raised:', e)\n")
+    out = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert "raised: step 0: live key" in out.stdout
+
+
+def test_static_roles_in_baked_tensors():
+    h = Harness()
+    h.step(0)
+    roles = [role for role, _ in h.runner.baked_tensors()]
+    assert "value_embeds.grad_accum" in roles and "ngram_table.sinks[16]" in roles
+    assert "ngram_grad_ring[7]" in roles and "grad_accumulator[embed]" in roles
+    tag = "step_graph" + str(tuple(h.keys[0]))
+    assert {f"{tag}.{f}" for f in ("inputs", "targets", "cum_seqlens", "ngram_slots",
+                                   "mtp_weights", "prefix_weight")} <= set(roles)
+    assert len(roles) == len(set(roles))
+    assert dataclasses.is_dataclass(h.runner.captured[h.keys[0]].static)
+
+
+@pytest.mark.slow
+def test_real_tiny_gpt_contract_on_cpu():
+    """The real GPT (GPTConfig.tiny(), reference attention) through StepGraphs over the stand-in
+    and through EagerStep: the module contracts (forward signature, grad_sink, grad_accum, the
+    three YaRN instances, ForwardScheduleConfig) hold, and the two runners agree."""
+    gpt = pytest.importorskip("track_1_short.model.gpt")
+    ngram = pytest.importorskip("track_1_short.ngram_table")
+    stages = (_stage("A", 2, 128, 4, (128, 128), (1.0, 0.5), (1.0, 0.0)),)
+    schedule = Schedule(ScheduleConfig(stages=stages))
+    keys = step_keys(schedule)
+    losses = {}
+    for graphs in (True, False):
+        torch.manual_seed(0)
+        model = gpt.GPT(gpt.GPTConfig.tiny(
+            vocab_size=V, num_layers=3, long_window_layers=(2,), paired_head_layers=(0,),
+            no_attention_layer=None, skip_from_layer=0, value_embed_layers=(1,),
+            ngram=ngram.NgramConfig(dim=128, vocab_size=V, bigram_rows=64, trigram_rows=64,
+                                    cache_rows=256, bos_id=V - 1)))
+        model.resolve_attention_backend(torch.device("cpu"))
+        kinds, params = model.param_names_by_kind(), dict(model.named_parameters())
+        optimizer = SimpleNamespace(param_cfgs={
+            params[n]: SimpleNamespace(optim=optim)
+            for optim, kind in (("anvil", "bank"), ("adam", "adam")) for n in kinds[kind]})
+        runner = make_step_runner(
+            StepGraphsConfig(mode="on" if graphs else "off", warm_iterations=1), model=model,
+            optimizer=optimizer, step_keys=keys, ngram_table=model.ngram_table,
+            value_embeds=model.value_embeds, max_step_tokens=128, adam_every=2,
+            backend=RecordingGraphBackend())
+        for step in (0, 1):
+            plan = schedule.plan(step)
+            batch, _ = make_batch(plan, step)
+            cfg = gpt.ForwardScheduleConfig(
+                mtp_weights=torch.tensor(plan.mtp_weights),
+                prefix_weight=torch.tensor(plan.prefix_weight), sampled_loss=None,
+                ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
+            loss = runner.forward(step, batch, model.ngram_table.slots_for(batch.inputs), cfg)
+            losses.setdefault(step, []).append(loss.item())
+            runner.hold_ngram_grad(runner.backward(), schedule.ngram_pending(step),
+                                   plan.ngram_event)
+        runner.seal()
+        losses.setdefault("qk_grad", []).append(model.qk_bank.grad.clone())
+    assert losses[0][0] == pytest.approx(losses[0][1], rel=1e-5)
+    assert losses[1][0] == pytest.approx(losses[1][1], rel=1e-5)
+    torch.testing.assert_close(*losses["qk_grad"])

@@ -1,0 +1,266 @@
+"""StepGraphs on a real GPU: replay vs eager for every key, and fault injection.
+
+Scope: the real compiled GPT (GPTConfig.tiny(), fp32 parameters, FlexAttention) captured per key
+of a 4-key schedule shaped like the speedrun's (tokens, cu_seqlens length, MTP targets and windows
+change between keys; the last two keys share shapes and differ only in windows and YaRN scale).
+Checks: the graph's loss equals the uncompiled model's eager loss and every per-step gradient the
+backward graph writes is within relative error 1e-2 of autograd's; a rebound parameter fails the
+census; an unplanned shape after seal fails naming the key; a value baked into a captured kernel
+is caught by the self-check; a host sync inside the capture is reported as a CaptureError naming
+the key. What the CPU stand-in cannot show (a baked value, real pool addresses) is tested here.
+Hardware: one CUDA GPU (H200 used for the project's evidence); a few minutes, mostly compilation.
+Run: `.venv/bin/python -m pytest -m gpu tests/test_step_graphs_gpu.py -q`.
+
+Shapes: T tokens, C cu_seqlens rows, D model dim.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from track_1_short.data import Batch
+from track_1_short.perf.cuda_graphs.baked_addresses import CensusError, compare, take_census
+from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_plan
+from track_1_short.perf.cuda_graphs.capture_support import (
+    CaptureError, CudaGraphBackend, StepGraphError, loss_grads)
+from track_1_short.perf.cuda_graphs.step_graphs import (StepGraphs, StepGraphsConfig,
+                                                        training_loss)
+from track_1_short.schedule import Schedule, ScheduleConfig, StageConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BOS, VOCAB_REAL = 50256, 50257
+GRAD_REL_TOL = 1e-2
+LOSS_REL_TOL = 1e-3
+
+
+def _stage(name, steps, tokens, cu, ws, msl, mtp, extension=False):
+    return StageConfig(name=name, num_steps=steps, tokens_per_rank=tokens, ws_short=ws[0],
+                       ws_long=ws[1], max_seq_len=msl, cu_seqlens_rows=cu,
+                       mtp_weights_start=mtp[0], mtp_weights_end=mtp[1], prefix_weight_start=0.25,
+                       prefix_weight_end=0.0, lr_mul=1.0, extension=extension)
+
+
+SCHEDULE = Schedule(ScheduleConfig(stages=(
+    _stage("A", 4, 512, 16, (128, 256), 256, ((1.0, 0.5, 0.25), (1.0, 0.5, 0.0))),
+    _stage("B", 4, 1024, 24, (128, 384), 512, ((1.0, 0.5), (1.0, 0.0))),
+    _stage("C", 4, 1024, 32, (256, 512), 512, ((1.0,), (1.0,))),
+    _stage("D", 2, 1024, 32, (256, 640), 512, ((1.0,), (1.0,)), extension=True),
+)))
+
+
+class _Optimizer:
+    """Only what StepGraphs reads: param_cfgs with .optim (no updates: parameters stay fixed)."""
+
+    def __init__(self, model):
+        kinds = model.param_names_by_kind()
+        params = dict(model.named_parameters())
+        self.param_cfgs = {params[n]: SimpleNamespace(optim=kind)
+                           for kind, key in (("anvil", "bank"), ("adam", "adam"))
+                           for n in kinds[key]}
+
+
+class _ScaledLoss(nn.Module):
+    """Fault injection: multiplies the loss by a Python float, which a captured kernel bakes as an
+    argument. Changing `scale` after capture makes the replay stale while eager follows it."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.scale = 1.0
+
+    @property
+    def yarn(self):
+        return self.inner.yarn
+
+    @property
+    def yarn_paired_head(self):
+        return self.inner.yarn_paired_head
+
+    @property
+    def yarn_wide(self):
+        return self.inner.yarn_wide
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs) * self.scale
+
+
+def _batch(step: int, device) -> Batch:
+    plan = SCHEDULE.plan(step)
+    g = torch.Generator().manual_seed(1000 + step)
+    T, C, msl = plan.tokens_per_rank, plan.cu_seqlens_rows, plan.max_seq_len
+    starts, pos = [0], 0
+    while pos < T:
+        pos = min(T, pos + int(torch.randint(msl // 4, msl + 1, (), generator=g)))
+        starts.append(pos)
+    assert len(starts) <= C, "test batch has more documents than the key allows"
+    cum = torch.tensor(starts + [T] * (C - len(starts)), dtype=torch.int32)  # [C]
+    inputs = torch.randint(0, VOCAB_REAL, (T,), generator=g, dtype=torch.int32)  # [T]
+    inputs[cum[:-1].long().clamp(max=T - 1)] = BOS
+    targets = torch.randint(0, VOCAB_REAL, (T,), generator=g)  # [T]
+    return Batch(inputs.to(device), targets.to(device), cum.to(device))
+
+
+def _cfg(step: int, device):
+    from track_1_short.model.gpt import ForwardScheduleConfig
+    plan = SCHEDULE.plan(step)
+    return ForwardScheduleConfig(
+        mtp_weights=torch.tensor(plan.mtp_weights, device=device),
+        prefix_weight=torch.tensor(plan.prefix_weight, device=device), sampled_loss=None,
+        ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
+
+
+def _build(device, wrap=None):
+    from track_1_short.model.gpt import GPT, GPTConfig
+    # 4 keys x (grad, no-grad self-check) per model, and this file builds two models.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny()).to(device)
+    model.resolve_attention_backend(device)
+    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    forward_model = wrap(compiled) if wrap else compiled
+    runner = StepGraphs(forward_model, _Optimizer(model), step_keys(SCHEDULE), model.ngram_table,
+                        model.value_embeds, max(k.tokens for k in step_keys(SCHEDULE)),
+                        adam_every=SCHEDULE.cfg.adam_every, config=StepGraphsConfig(),
+                        backend=CudaGraphBackend(), device=device)
+    return model, forward_model, runner
+
+
+def _advance_yarn(model, step: int, prev_stage: int) -> int:
+    """As train.warmup_and_capture: YaRN follows ws_long at (or on jumping into) a new stage."""
+    plan = SCHEDULE.plan(step)
+    if plan.stage_index != prev_stage:
+        model.apply_window_change(SCHEDULE.cfg.stages[prev_stage].ws_long, plan.ws_long)
+    return plan.stage_index
+
+
+def _run_step(model, runner, step: int, device):
+    batch = _batch(step, device)
+    slots = model.ngram_table.slots_for(batch.inputs)
+    cfg = _cfg(step, device)
+    loss = runner.forward(step, batch, slots, cfg).item()
+    ngram_grad = runner.backward()
+    plan = SCHEDULE.plan(step)
+    runner.hold_ngram_grad(ngram_grad, SCHEDULE.ngram_pending(step), plan.ngram_event)
+    return batch, slots, cfg, loss
+
+
+def _eager_reference(model, batch, slots, cfg):
+    """Uncompiled model, autograd, private sink and value-embed buffer (no shared side effects)."""
+    sink = torch.zeros_like(model.ngram_table.grad_sink(batch.inputs.numel()), requires_grad=True)
+    scratch = torch.zeros_like(model.value_embeds.grad_accum)
+    loss = training_loss(model, batch.inputs, batch.targets, batch.cum_seqlens, slots, cfg, sink,
+                         scratch)
+    params = list(model.parameters())
+    grads = loss_grads(loss, params + [sink])
+    return loss.item(), dict(zip(params, grads[:-1])), grads[-1]
+
+
+def _rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.fixture(scope="module")
+def sealed():
+    device = torch.device("cuda")
+    model, _, runner = _build(device)
+    parity = []
+    stage = 0
+    for step in warmup_visit_plan(SCHEDULE):
+        stage = _advance_yarn(model, step, stage)
+        batch, slots, cfg, loss = _run_step(model, runner, step, device)
+        cs = runner.captured[runner.step_keys[step]]
+        ref_loss, ref_grads, ref_ngram = _eager_reference(model, batch, slots, cfg)
+        errors = {name: _rel_err(g, ref_grads[p])
+                  for name, p in model.named_parameters() for q, g in cs.grads if q is p}
+        errors["ngram_sink"] = _rel_err(cs.ngram_grad, ref_ngram)
+        parity.append((step, loss, ref_loss, errors))
+    runner.seal()
+    return model, runner, parity
+
+
+def test_replay_matches_eager_for_every_key(sealed):
+    model, runner, parity = sealed
+    assert len(runner.captured) == 4
+    for step, loss, ref_loss, errors in parity:
+        assert loss == pytest.approx(ref_loss, rel=LOSS_REL_TOL), f"step {step}"
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= GRAD_REL_TOL, f"step {step}: {worst} rel err {errors[worst]}"
+    for row in runner.capture_report():
+        assert row["self_checks"] == 1 and row["replay_ms"] > 0
+        assert row["pool_mib_added"] is not None
+
+
+def test_timed_replays_after_seal(sealed):
+    model, runner, _ = sealed
+    model.reset_yarn()  # the post-warmup reset: scales back to stage A's (in place)
+    for step in (2, 3):
+        _run_step(model, runner, step, torch.device("cuda"))
+    assert model.qk_bank.grad is next(g for p, g in runner.captured[runner.step_keys[3]].grads
+                                      if p is model.qk_bank)
+
+
+def test_unplanned_shape_after_seal_fails(sealed):
+    model, runner, _ = sealed
+    device = torch.device("cuda")
+    batch = _batch(2, device)
+    short = Batch(batch.inputs[:256], batch.targets[:256], batch.cum_seqlens.clamp(max=256))
+    with pytest.raises(StepGraphError, match=r"step 2: live key .*tokens=256"):
+        runner.forward(2, short, model.ngram_table.slots_for(short.inputs), _cfg(2, device))
+
+
+def test_rebound_parameter_fails_census(sealed):
+    model, runner, _ = sealed
+    before = take_census(model, runner)
+    old = model.vo_bank.data
+    model.vo_bank.data = old.clone()
+    try:
+        with pytest.raises(CensusError, match=r"changed param:vo_bank"):
+            compare(before, take_census(model, runner))
+    finally:
+        model.vo_bank.data = old
+
+
+def test_baked_value_fails_self_check():
+    device = torch.device("cuda")
+    model, wrapper, runner = _build(device, wrap=_ScaledLoss)
+    _run_step(model, runner, 0, device)  # capture with scale 1.0 baked into the multiply
+    wrapper.scale = 2.0
+    with pytest.raises(StepGraphError, match=r"step 1: step graph .* replay loss .* != eager"):
+        _run_step(model, runner, 1, device)
+
+
+class _HostSync(nn.Module):
+    yarn = yarn_paired_head = yarn_wide = SimpleNamespace(attn_scale=0.1)
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, device="cuda"))
+
+    def forward(self, inputs, targets, cum_seqlens, ngram_slots, cfg, *, ngram_sink,
+                value_embed_grad):
+        x = (self.weight.sum() + ngram_sink.sum()).expand(inputs.numel())
+        if x[0].item() > 1e30:  # host sync: fine eagerly, forbidden inside a capture
+            x = x * 2
+        return x
+
+
+def test_host_sync_in_capture_names_the_key():
+    """Last in the file: a failed capture may leave the device's capture state unusable."""
+    device = torch.device("cuda")
+    from track_1_short.model.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig.tiny()).to(device)
+    sync_model = _HostSync()
+    opt = SimpleNamespace(param_cfgs={sync_model.weight: SimpleNamespace(optim="adam")})
+    keys = step_keys(SCHEDULE)
+    runner = StepGraphs(sync_model, opt, keys, model.ngram_table, model.value_embeds, 1024,
+                        adam_every=2, config=StepGraphsConfig(warm_iterations=1),
+                        backend=CudaGraphBackend(), device=device)
+    batch = _batch(0, device)
+    with pytest.raises(CaptureError, match=r"forward of step graph StepGraphKey\(tokens=512"):
+        runner.forward(0, batch, model.ngram_table.slots_for(batch.inputs), _cfg(0, device))

@@ -1,0 +1,103 @@
+"""The trainer end to end on CPU: a micro config (T=128, 2 stages) on synthetic shards; exact
+resume, metrics/summary outputs, CLI errors. CPU only, ~1 min; run: pytest tests/test_train.py"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from track_1_short import config as config_mod
+from track_1_short.config import DataConfig, RunConfig, TrainConfig
+from track_1_short.model.gpt import GPTConfig
+from track_1_short.ngram_table import NgramConfig
+from track_1_short.optim.anvil_config import AnvilConfig
+from track_1_short.perf.cuda_graphs.step_graphs import StepGraphsConfig
+from track_1_short.report import MetricsLog
+from track_1_short.schedule import ScheduleConfig, StageConfig
+from track_1_short.train import train
+
+
+def micro_config(data_dir: Path, runs_dir: Path, run_id: str, **train_kw) -> RunConfig:
+    common = dict(tokens_per_rank=128, max_seq_len=128, cu_seqlens_rows=8, prefix_weight_end=0.0,
+                  mtp_weights_end=(1.0, 0.0), lr_mul=1.0)
+    stages = (StageConfig(name="A", num_steps=6, ws_short=128, ws_long=128, mtp_weights_start=(1.0, 0.5),
+                          prefix_weight_start=0.25, **common),
+              StageConfig(name="B", num_steps=6, ws_short=128, ws_long=256, mtp_weights_start=(1.0, 0.0),
+                          prefix_weight_start=0.0, **common))
+    model = GPTConfig.tiny(num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128,
+                           long_window_layers=(3,), paired_head_layers=(0,), no_attention_layer=2,
+                           skip_from_layer=1, value_embed_layers=(1, 3), max_position=1024,
+                           ngram=NgramConfig(dim=64, bigram_rows=512, trigram_rows=512, cache_rows=1024))
+    return RunConfig(
+        preset="test", model=model,
+        schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=4, momentum_cooldown_steps=2,
+                                val_every_steps=4, final_val_ws_long=256),
+        optim=AnvilConfig(num_steps=12, momentum_warmup_steps=4, momentum_cooldown_steps=2),
+        graphs=StepGraphsConfig(mode="off"),
+        data=DataConfig(data_dir=data_dir, slices_per_step=2, val_tokens=2048, val_tokens_per_batch=256,
+                        val_cu_seqlens_rows=32),
+        train=TrainConfig(compile=False, device="cpu", runs_dir=runs_dir, run_id=run_id, log_every=1,
+                          **train_kw))
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in MetricsLog.read(run_dir) if r["kind"] == "train"}
+
+
+def test_train_writes_outputs_and_learns(shard_dir, tmp_path):
+    assert train(micro_config(shard_dir, tmp_path, "full")) == 0
+    run_dir = tmp_path / "full"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["world_size"] == 1 and summary["micro_steps"] == 2
+    assert set(summary["ms_per_step_by_stage"]) == {"A", "B"}
+    vals = [v["val_loss"] for v in summary["val_curve"]]
+    assert vals[-1] < vals[0], "validation loss went down"
+    for png in ("loss_vs_step.png", "loss_vs_time.png", "ms_per_step.png"):
+        assert (run_dir / png).stat().st_size > 1000
+    assert (run_dir / "ckpt_step000012" / ".metadata").is_file()
+    assert not list(run_dir.glob("*.tmp"))
+
+
+def test_resume_is_exact(shard_dir, tmp_path):
+    assert train(micro_config(shard_dir, tmp_path, "full")) == 0
+    assert train(micro_config(shard_dir, tmp_path, "first", max_steps=8)) == 0
+    ckpt = tmp_path / "first" / "ckpt_step000008"
+    assert ckpt.is_dir()
+    assert train(micro_config(shard_dir, tmp_path, "resumed", resume=ckpt)) == 0
+    full, first, resumed = (_losses(tmp_path / n) for n in ("full", "first", "resumed"))
+    assert {s: full[s] for s in range(8)} == first
+    assert {s: full[s] for s in range(8, 12)} == resumed, "resumed run continues exactly"
+
+
+def test_unaligned_checkpoint_is_skipped(shard_dir, tmp_path, capsys):
+    assert train(micro_config(shard_dir, tmp_path, "odd", max_steps=7)) == 0
+    assert not (tmp_path / "odd" / "ckpt_step000007").exists()
+    assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--preset", "nope"], "invalid choice"),
+    (["--bogus-flag"], "unrecognized arguments"),
+    (["--preset", "cpu-tiny", "--graphs", "on", "--no-compile"], "--graphs on/check needs"),
+    (["--preset", "cpu-tiny", "--max-steps", "0"], "--max-steps"),
+    (["--preset", "cpu-tiny", "--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
+])
+def test_bad_flags_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        config_mod.parse(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_data_dir_exit_2(tmp_path, capsys):
+    cfg = micro_config(tmp_path / "nodata", tmp_path, "x")
+    assert train(cfg) == 2
+    assert "prepare" in capsys.readouterr().err
+
+
+def test_presets_validate():
+    for name in config_mod.PRESETS:
+        cfg = config_mod.preset(name)
+        assert cfg.schedule.stages
+    assert sum(s.num_steps for s in config_mod.preset("speedrun").schedule.stages) == 1285

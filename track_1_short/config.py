@@ -1,0 +1,234 @@
+"""Presets and the command line: one dataclass tree per run, validated when built.
+
+What it replaces: the speedrun's module-level `args` / `Hyperparameters` globals. Each component's
+config lives next to its code (GPTConfig in model/gpt.py, ScheduleConfig in schedule.py,
+AnvilConfig in optim/anvil_config.py, StepGraphsConfig in perf/cuda_graphs/step_graphs.py); this
+module only nests them into `RunConfig`, defines the three presets and maps CLI flags onto them.
+The resolved config is written into the run's summary and log.
+
+Presets:
+  speedrun   the four stages of DESIGN section 3 (1285 steps, per-rank shapes of 8 ranks; on fewer
+             GPUs each rank runs 8/world_size micro-steps), graphs on, compiled, fp8 on CUDA
+  small-gpu  the same stages and keys with fewer steps, so it finishes on one H200 in minutes
+  cpu-tiny   a 6-layer d=128 model with the real GPT-2 vocab on the embedded corpus, eager, two
+             stages (one window change), one slice per step, for CPU-only machines and CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from track_1_short.model.gpt import GPTConfig
+from track_1_short.optim.anvil_config import AnvilConfig
+from track_1_short.perf.cuda_graphs.step_graphs import GRAPH_MODES, StepGraphsConfig
+from track_1_short.schedule import SPEEDRUN_STAGES, ScheduleConfig, StageConfig
+
+PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
+OPTIMIZERS = ("anvil", "adamw")
+
+
+@dataclass(slots=True, kw_only=True)
+class DataConfig:
+    data_dir: Path = Path("data/embedded")  # *_train_*.bin / *_val_*.bin shards (prepare.py)
+    seed: int = 0  # document order per epoch
+    shuffle: bool = True  # seeded document order per epoch (False: file order, like the record)
+    slices_per_step: int = 8  # global batch = this many per-rank slices (the speedrun's 8 ranks)
+    val_tokens: int = 10_485_760  # validation uses at most this many tokens (FineWeb: the first 10.49M)
+    val_tokens_per_batch: int = 32_768  # per rank per eval forward
+    val_cu_seqlens_rows: int = 512  # document capacity of a validation batch
+
+    def __post_init__(self):
+        if self.slices_per_step < 1:
+            raise ValueError(f"DataConfig.slices_per_step={self.slices_per_step} must be >= 1")
+        if self.val_tokens_per_batch < 128:
+            raise ValueError(f"--val-tokens-per-batch={self.val_tokens_per_batch} must be >= 128")
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainConfig:
+    seed: int = 1337  # model init (identical on every rank)
+    device: str = "auto"  # auto: cuda if available, else cpu
+    compile: bool = True  # torch.compile(fullgraph=True, dynamic=False) the model
+    optimizer: str = "anvil"  # anvil: AnvilAndAdam; adamw: torch.optim.AdamW (baseline)
+    adamw_lr: float = 3e-3
+    max_steps: int | None = None  # stop after this many steps (default: the whole schedule)
+    log_every: int = 10
+    save_every: int = 0  # checkpoint every N steps (0: only at the end when --save-final)
+    save_final: bool = True
+    resume: Path | None = None  # a checkpoint dir written by this trainer
+    runs_dir: Path = Path("runs")
+    run_id: str | None = None  # default: <preset>-<timestamp>
+    timeout_s: float = 600.0  # collective timeout: a dead rank becomes an error naming it
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer={self.optimizer!r}: one of {OPTIMIZERS}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"--device={self.device!r}: one of auto, cuda, cpu")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps={self.max_steps} must be >= 1")
+        if self.save_every < 0 or self.log_every < 1:
+            raise ValueError("--save-every must be >= 0 and --log-every >= 1")
+
+
+@dataclass(slots=True, kw_only=True)
+class RunConfig:
+    preset: str
+    model: GPTConfig
+    schedule: ScheduleConfig
+    optim: AnvilConfig
+    graphs: StepGraphsConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        if self.graphs.mode != "off" and not self.train.compile:
+            raise ValueError("--graphs on/check needs the compiled model (drop --no-compile or "
+                             "pass --graphs off)")
+        largest = max(s.tokens_per_rank for s in self.schedule.stages)
+        if self.model.max_position < max(2 * largest, self.data.val_tokens_per_batch):
+            raise ValueError(f"model.max_position={self.model.max_position} must cover 2x the "
+                             f"largest step ({largest} tokens, paired heads double positions) and "
+                             f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
+        if self.model.ngram.cache_rows < 2 * max(largest, self.data.val_tokens_per_batch):
+            raise ValueError(f"model.ngram.cache_rows={self.model.ngram.cache_rows} must hold 2 rows "
+                             f"per token of the largest batch")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _scaled_stages(steps: tuple[int, ...]) -> tuple[StageConfig, ...]:
+    return tuple(dataclasses.replace(stage, num_steps=n) for stage, n in zip(SPEEDRUN_STAGES, steps))
+
+
+def _tiny_stages() -> tuple[StageConfig, ...]:
+    common = dict(cu_seqlens_rows=8, prefix_weight_end=0.0, mtp_weights_end=(1.0, 0.0))
+    return (
+        StageConfig(name="A", num_steps=120, tokens_per_rank=1024, ws_short=128, ws_long=256,
+                    max_seq_len=512, mtp_weights_start=(1.0, 0.5), prefix_weight_start=0.25,
+                    lr_mul=1.0, **common),
+        StageConfig(name="B", num_steps=80, tokens_per_rank=1024, ws_short=128, ws_long=512,
+                    max_seq_len=1024, mtp_weights_start=(1.0, 0.0), prefix_weight_start=0.0,
+                    lr_mul=1.0, **common),
+    )
+
+
+def preset(name: str) -> RunConfig:
+    """The named preset's RunConfig (before CLI overrides)."""
+    if name == "speedrun":
+        return RunConfig(preset=name, model=GPTConfig(), schedule=ScheduleConfig(),
+                         optim=AnvilConfig(), graphs=StepGraphsConfig())
+    if name == "small-gpu":
+        stages = _scaled_stages((60, 60, 60, 8))
+        num_steps = sum(s.num_steps for s in stages)
+        return RunConfig(preset=name, model=GPTConfig(),
+                         schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=40,
+                                                 momentum_cooldown_steps=10, val_every_steps=60),
+                         optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=40,
+                                           momentum_cooldown_steps=10),
+                         graphs=StepGraphsConfig())
+    if name == "cpu-tiny":
+        stages = _tiny_stages()
+        num_steps = sum(s.num_steps for s in stages)
+        return RunConfig(preset=name, model=GPTConfig.tiny(),
+                         schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=50,
+                                                 momentum_cooldown_steps=20, val_every_steps=50,
+                                                 final_val_ws_long=512),
+                         optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=50,
+                                           momentum_cooldown_steps=20),
+                         graphs=StepGraphsConfig(mode="off"),
+                         data=DataConfig(slices_per_step=1, val_tokens=65_536,
+                                         val_tokens_per_batch=4096, val_cu_seqlens_rows=64),
+                         train=TrainConfig(compile=False, device="cpu", log_every=10))
+    raise ValueError(f"unknown preset {name!r}: one of {PRESETS}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m track_1_short.train",
+                                description="GPT-2-small speedrun trainer (CUDA-graph training step)")
+    p.add_argument("--preset", choices=PRESETS, default="cpu-tiny",
+                   help="speedrun (8-GPU record schedule), small-gpu (same keys, fewer steps), "
+                        "cpu-tiny (CPU smoke run); default cpu-tiny")
+    p.add_argument("--data-dir", type=Path, help="shard dir (default data/embedded)")
+    p.add_argument("--graphs", choices=GRAPH_MODES,
+                   help="on: CUDA-graph step; off: compiled model launched eagerly; check: graphs "
+                        "plus sampled self-checks during the timed run")
+    p.add_argument("--check-fraction", type=float, help="--graphs check: share of steps checked")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for GPU presets)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp8 lm head / MLP matmuls on CUDA (--no-fp8: bf16)")
+    p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
+                   help="attention backend (default auto: chosen per device and logged)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
+    p.add_argument("--seed", type=int, help="model init seed")
+    p.add_argument("--data-seed", type=int, help="document order seed")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps")
+    p.add_argument("--val-every", type=int, help="validate every N steps (and at the end)")
+    p.add_argument("--val-tokens", type=int, help="use at most this many validation tokens")
+    p.add_argument("--save-every", type=int, help="checkpoint every N steps")
+    p.add_argument("--no-save-final", action="store_true", help="skip the final checkpoint")
+    p.add_argument("--resume", type=Path, help="checkpoint dir to resume from (exact continuation)")
+    p.add_argument("--runs-dir", type=Path, help="where run dirs go (default runs/)")
+    p.add_argument("--run-id", help="run dir name (default <preset>-<timestamp>)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--log-every", type=int, help="train-loss log cadence in steps")
+    return p
+
+
+def _set(obj, name: str, value) -> None:
+    if value is not None:
+        setattr(obj, name, value)
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    """Apply CLI overrides to the preset and re-validate the whole tree (ValueError names the flag)."""
+    cfg = preset(args.preset)
+    _set(cfg.data, "data_dir", args.data_dir)
+    _set(cfg.data, "seed", args.data_seed)
+    _set(cfg.data, "val_tokens", args.val_tokens)
+    _set(cfg.graphs, "mode", args.graphs)
+    _set(cfg.graphs, "check_fraction", args.check_fraction)
+    _set(cfg.train, "compile", args.compile)
+    _set(cfg.train, "optimizer", args.optimizer)
+    _set(cfg.train, "seed", args.seed)
+    _set(cfg.train, "max_steps", args.max_steps)
+    _set(cfg.train, "save_every", args.save_every)
+    _set(cfg.train, "resume", args.resume)
+    _set(cfg.train, "runs_dir", args.runs_dir)
+    _set(cfg.train, "run_id", args.run_id)
+    _set(cfg.train, "device", args.device)
+    _set(cfg.train, "log_every", args.log_every)
+    _set(cfg.schedule, "val_every_steps", args.val_every)
+    _set(cfg.model, "attention_backend", args.attention)
+    if args.fp8 is not None:
+        cfg.model.fp8.enabled = args.fp8
+    if args.no_save_final:
+        cfg.train.save_final = False
+    # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
+    for part in (cfg.data, cfg.train, cfg.graphs, cfg.schedule, cfg.model):
+        part.__post_init__()
+    cfg.__post_init__()
+    if args.resume is not None and not (args.resume / ".metadata").is_file():
+        raise ValueError(f"--resume {args.resume}: not a complete checkpoint (no .metadata file)")
+    return cfg
+
+
+def parse(argv: list[str] | None = None) -> RunConfig:
+    """CLI -> RunConfig; bad flags or values exit with code 2 and a message naming them."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return from_args(args)
+    except ValueError as e:
+        parser.error(str(e))  # exits 2
+    raise AssertionError("unreachable")
+
+
+if __name__ == "__main__":
+    print(parse(sys.argv[1:]))

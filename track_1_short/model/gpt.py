@@ -1,0 +1,339 @@
+"""GPT: the speedrun's GPT-2-small variant, single device, returning the per-token training loss.
+
+What it replaces: HEAD modded-nanogpt's `GPT` (train_gpt.py:1486-1693, a 208-line forward with
+hard-coded layer indices) with one config dataclass holding every layer index, and a forward split
+into embed / attention block / MLP block / loss.
+
+Architecture (modded-nanogpt record facts 1.2-1.6; MUDD, XSA and DC are NOT implemented):
+token embedding; hashed bigram + trigram rows (NgramTable, gated per layer); smear
+x[t] += lambda * sigmoid(w . x[t][:12]) * x[t-1]; x0 = rms_norm(x); per layer: attention (QK-norm,
+half-truncated RoPE + YaRN, sliding-window causal attention over packed documents; short window
+except on `long_window_layers`, which use `yarn_wide` and the partial key offset; paired-head
+attention on `paired_head_layers` with `yarn_paired_head`), value embeddings added into V on
+`value_embed_layers` with gates 2*sigmoid(W.[attn_in[:6], ve[:6]]) per head; layer
+`no_attention_layer` has no attention and a sigmoid-gated skip from `skip_from_layer`'s output; ReLU^2
+MLP; residual lambdas; x0 skips; final rms_norm; lm head; softcap 23*sigmoid((z+5)/7.5); MTP and
+prefix-token CE (loss.py).
+
+Parameters (names the optimizer helper keys on; `param_names_by_kind()`):
+- matrix banks (ANVIL): `qk_bank` [NQK, 2*Dh, D] one entry per (attention layer, {Q, K}, head pair),
+  `vo_bank` [NVO, D, D] one per (attention layer, {V, O}), `mlp_bank` [NL, 2, F, D] (c_fc [F, D]
+  out x in, c_proj [F, D] stored in x out). Counts padded to bank_pad_multiple; pads are zero, unused.
+- adam: `embed.weight` [V, D], `lm_head` [D, V] (transposed, HEAD layout), `value_embeds.weight`
+  [NVE*V, D] (gradient through ValueEmbedPull.grad_accum when the trainer passes it), scalars
+  `sa_lambdas`, `resid_lambdas`, `post_lambdas` [L, 2], `x0_lambdas`, `ngram_lambdas` [L],
+  `smear_lambda`, `skip_lambda` [], gates `smear_gate.weight` [1, 12], `skip_gate` [],
+  `ve_gate_bank` [NVE, H, 12]. Scalars stay float32; cast only banks/embeddings/head to bf16.
+- embed and lm_head are TWO parameters, equal (embed = lm_head.T) at init; keeping them tied while
+  training (adding embed's gradient into lm_head's and copying back, facts 3) is the trainer's job.
+
+Not parameters: NgramTable (buffers + its own sparse Adam), YaRN tables, fp8 scales, prefix table.
+
+What must stay stable for CUDA graphs: every parameter and buffer address (YaRN, prefix table,
+n-gram cache and fp8 scales are only ever written in place). Python values the compiled forward
+specializes on: shapes, ForwardScheduleConfig's ints, the YaRN attn_scale floats, the attention
+backend, len(mtp_weights). No .item(), host syncs or data-dependent shapes in forward/eval_ce.
+
+Call order (trainer): GPT(cfg) -> cast params -> .to(device) -> resolve_attention_backend(device)
+(logged) -> set_prefix_table(...) in the timed region -> per step model(...) -> at stage changes
+apply_window_change(old_ws_long, new_ws_long) -> after warmup reset_yarn() (+ ngram_table.reset()).
+
+Deviations from HEAD: no MUDD/XSA/DC (so no attention output gates, layer-10 V term, backout); the
+layer-6 skip gate is a plain parameter (init 0.5) instead of a MUDD output; layers 8-10 read
+norm(x), not norm(output of layer 7); the QKV pre-multiplier sa_lambdas[:, 0] scales V only (Q and K
+are rms-normed right after, which removes the factor); trigram rows; full-softmax loss in torch ops.
+
+Legend: T tokens, D model dim, H heads, Dh head_dim, F MLP hidden, V vocab, L layers, N MTP targets,
+NVE value-embedding tables, C cum_seqlens entries.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from track_1_short.model.attention import BACKENDS, attention, pair_heads, resolve_backend, unpair_heads
+from track_1_short.model.fp8 import Fp8Config, Fp8Matmuls
+from track_1_short.model.loss import per_token_ce, softcap, training_loss
+from track_1_short.model.sampled_softmax import SampledSoftmax
+from track_1_short.model.yarn import Yarn
+from track_1_short.ngram_table import NgramConfig, NgramTable
+from track_1_short.perf.value_embed_pull import ValueEmbedPull
+
+SMEAR_DIMS = 12  # facts 1.2: the smear gate reads x[t][:12]
+VE_GATE_DIMS = 6  # the value-embedding gate reads attn_in[:6] and ve[:6]
+BANKS = ("qk_bank", "vo_bank", "mlp_bank")
+
+
+@dataclass(slots=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
+    num_layers: int = 11
+    model_dim: int = 768
+    num_heads: int = 6  # even: qk_bank entries are head pairs
+    head_dim: int = 128
+    mlp_hidden: int = 3072
+    long_window_layers: tuple[int, ...] = (3, 10)  # ws_long, yarn_wide, partial key offset
+    paired_head_layers: tuple[int, ...] = (0, 2, 5, 9)  # yarn_paired_head, doubled positions
+    no_attention_layer: int | None = 6
+    skip_from_layer: int = 3  # its output skips into no_attention_layer
+    value_embed_layers: tuple[int, ...] = (1, 2, 8, 9, 10)  # table k serves the k-th of these
+    bank_pad_multiple: int = 8  # bank entry counts padded for the optimizer's sharding
+    max_position: int = 262_144  # rotary table rows: >= the largest T (train and eval) per rank
+    attention_backend: str = "auto"  # attention.BACKENDS
+    lm_head_init_std: float = 0.005
+    eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
+    ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+
+    def __post_init__(self):
+        layers = range(self.num_layers)
+        for name in ("long_window_layers", "paired_head_layers", "value_embed_layers"):
+            bad = [i for i in getattr(self, name) if i not in layers or i == self.no_attention_layer]
+            if bad:
+                raise ValueError(f"GPTConfig.{name} has layers {bad} outside [0, {self.num_layers}) "
+                                 f"or equal to no_attention_layer={self.no_attention_layer}")
+        if set(self.long_window_layers) & set(self.paired_head_layers):
+            raise ValueError("GPTConfig.paired_head_layers and long_window_layers must not overlap "
+                             "(the partial key offset is defined for unpaired heads)")
+        if self.num_heads % 2 or self.head_dim % 4:
+            raise ValueError(f"GPTConfig.num_heads={self.num_heads} must be even and head_dim="
+                             f"{self.head_dim} a multiple of 4")
+        if self.num_heads * self.head_dim != self.model_dim:
+            raise ValueError(f"GPTConfig.model_dim={self.model_dim} must equal num_heads*head_dim="
+                             f"{self.num_heads * self.head_dim} (vo_bank entries are square)")
+        if self.no_attention_layer is not None and not (
+                0 <= self.skip_from_layer < self.no_attention_layer < self.num_layers):
+            raise ValueError(f"GPTConfig.skip_from_layer={self.skip_from_layer} must precede "
+                             f"no_attention_layer={self.no_attention_layer} < num_layers")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: one of {BACKENDS}")
+        if self.bank_pad_multiple < 1:
+            raise ValueError(f"GPTConfig.bank_pad_multiple={self.bank_pad_multiple} must be >= 1")
+        if (self.ngram.dim, self.ngram.vocab_size) != (self.model_dim, self.vocab_size):
+            raise ValueError(f"GPTConfig.ngram.dim/vocab_size=({self.ngram.dim}, {self.ngram.vocab_size})"
+                             f" must equal model_dim/vocab_size ({self.model_dim}, {self.vocab_size})")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "GPTConfig":
+        """CPU tests and the cpu-tiny preset: 6 layers, d=128, 2 heads x 64, real GPT-2 vocab; the
+        layer roles of the 11-layer model scaled to 6 layers."""
+        vocab = overrides.get("vocab_size", 50304)
+        fields = dict(
+            num_layers=6, model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+            long_window_layers=(2, 5), paired_head_layers=(0, 3), no_attention_layer=4,
+            skip_from_layer=2, value_embed_layers=(1, 3, 5), max_position=4096,
+            ngram=NgramConfig(vocab_size=vocab, dim=128, bigram_rows=4096, trigram_rows=4096,
+                              cache_rows=2 * 4096),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i != self.no_attention_layer]
+
+
+@dataclass(slots=True)
+class ForwardScheduleConfig:
+    """Per-step schedule values. Tensors change within a key (copied into static buffers); the ints
+    are specialized on by the compiled forward (part of StepGraphKey)."""
+
+    mtp_weights: Tensor  # float32 [N]
+    prefix_weight: Tensor  # float32 0-d
+    sampled_loss: SampledSoftmax | None  # None = full softmax
+    ws_short: int  # tokens
+    ws_long: int  # tokens
+    train_max_seq_len: int  # tokens
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def rms_norm(x: Tensor) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        c = self.config = config
+        d, v, h, dh, nl = c.model_dim, c.vocab_size, c.num_heads, c.head_dim, c.num_layers
+        self.attn_slot = {layer: a for a, layer in enumerate(c.attention_layers)}  # layer -> bank slot
+        self.ve_slot = {layer: k for k, layer in enumerate(c.value_embed_layers)}
+        n_attn, pad = len(self.attn_slot), c.bank_pad_multiple
+        bound = math.sqrt(3) * 0.5 * d ** -0.5  # uniform with std 0.5/sqrt(D) (modded-nanogpt init)
+
+        self.embed = nn.Embedding(v, d)
+        self.lm_head = nn.Parameter(torch.randn(d, v) * c.lm_head_init_std)  # [D, V]
+        with torch.no_grad():
+            self.embed.weight.copy_(self.lm_head.T)
+        self.value_embeds = ValueEmbedPull(len(c.value_embed_layers), v, d)
+        self.ngram_table = NgramTable(c.ngram)
+
+        qk = torch.zeros(_padded(n_attn * h, pad), 2 * dh, d)  # [NQK, 2Dh, D]
+        qk[: n_attn * h].uniform_(-bound, bound)
+        vo = torch.zeros(_padded(2 * n_attn, pad), d, d)  # [NVO, D, D]; O entries (odd) zero init
+        vo[0: 2 * n_attn: 2].uniform_(-bound, bound)
+        mlp = torch.zeros(_padded(nl, pad), 2, c.mlp_hidden, d)  # [NL, 2, F, D]; c_proj zero init
+        mlp[:nl, 0].uniform_(-bound, bound)
+        self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(t) for t in (qk, vo, mlp))
+
+        self.sa_lambdas = nn.Parameter(torch.tensor([[0.5, 1.0]] * nl))  # [L, 2] (V in, O out)
+        self.resid_lambdas = nn.Parameter(torch.full((nl, 2), math.sqrt(1.1)))  # [L, 2] (attn, mlp)
+        self.post_lambdas = nn.Parameter(torch.ones(nl, 2))  # [L, 2]
+        self.x0_lambdas = nn.Parameter(torch.zeros(nl))  # [L]
+        self.ngram_lambdas = nn.Parameter(torch.full((nl,), 0.05))  # [L]
+        self.smear_gate = nn.Linear(SMEAR_DIMS, 1, bias=False)
+        nn.init.zeros_(self.smear_gate.weight)
+        self.smear_lambda = nn.Parameter(torch.zeros(()))
+        self.skip_lambda = nn.Parameter(torch.tensor(-1.5))
+        self.skip_gate = nn.Parameter(torch.tensor(0.5))
+        self.ve_gate_bank = nn.Parameter(torch.zeros(len(c.value_embed_layers), h, 2 * VE_GATE_DIMS))
+
+        self.yarn = Yarn(dh, c.max_position)
+        self.yarn_paired_head = Yarn(dh, c.max_position, paired=True)
+        self.yarn_wide = Yarn(dh, c.max_position)
+        self.fp8 = Fp8Matmuls(c.fp8, nl)
+        self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
+        self.attention_backend: str | None = None  # set by resolve_attention_backend
+
+    # ---- trainer-facing helpers (eager) ----
+
+    def param_names_by_kind(self) -> dict[str, list[str]]:
+        """{"bank": the three ANVIL matrix banks, "adam": every other parameter}."""
+        names = [n for n, _ in self.named_parameters()]
+        return {"bank": [n for n in names if n in BANKS], "adam": [n for n in names if n not in BANKS]}
+
+    def resolve_attention_backend(self, device: torch.device) -> str:
+        """Fix the attention backend for `device` (config 'auto': CUDA flex, CPU reference)."""
+        self.attention_backend = resolve_backend(self.config.attention_backend, device)
+        return self.attention_backend
+
+    def apply_window_change(self, old_ws_long: int, new_ws_long: int):
+        """YaRN at a stage transition. All three tables follow ws_long, as HEAD's two do (facts 1.3);
+        ws_short changes do not touch YaRN. yarn_wide is its own instance (own scale) so a later
+        schedule can move it separately; today it stays equal to `yarn`."""
+        if old_ws_long != new_ws_long:
+            for y in (self.yarn, self.yarn_paired_head, self.yarn_wide):
+                y.apply(old_ws_long, new_ws_long)
+
+    def reset_yarn(self):
+        for y in (self.yarn, self.yarn_paired_head, self.yarn_wide):
+            y.reset()
+
+    @torch.no_grad()
+    def set_prefix_table(self, table: Tensor):
+        """In-place fill (the compiled graph keeps the buffer); table int64 [V], -1 = no prefix."""
+        self.prefix_table.copy_(table)
+
+    # ---- forward ----
+
+    def forward(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
+                cfg: ForwardScheduleConfig, ngram_sink: Tensor | None = None,
+                value_embed_grad: Tensor | None = None) -> Tensor:
+        """Per-token training loss float32 [T]; the trainer backpropagates loss.sum()."""
+        x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
+                        cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len)  # [T, D]
+        s = cfg.sampled_loss
+        if s is None:
+            capped = softcap(self.fp8.matmul(x, self.lm_head))  # [T, V]
+            return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight,
+                                 self.prefix_table[targets])
+        capped = softcap(x @ self.lm_head[:, s.rows].to(x.dtype)) - s.log_q  # [T, P]
+        return training_loss(capped, s.target_index, cfg.mtp_weights, cfg.prefix_weight,
+                             s.prefix_index)
+
+    def eval_ce(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
+                ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:
+        """Per-token CE float32 [T] (no MTP, no prefix term, no fp8), logits in chunks."""
+        x = self._trunk(inputs, cum_seqlens, ngram_slots, None, None, ws_short, ws_long, max_seq_len)
+        chunk = self.config.eval_chunk_tokens
+        out = []
+        for start in range(0, x.shape[0], chunk):
+            logits = x[start: start + chunk] @ self.lm_head.to(x.dtype)  # [chunk, V]
+            out.append(per_token_ce(softcap(logits), targets[start: start + chunk]))
+        return torch.cat(out)
+
+    def _backend(self, device: torch.device) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        if self.config.attention_backend == "auto":
+            return "flex" if device.type == "cuda" else "reference"
+        raise ValueError("call model.resolve_attention_backend(device) before the first forward")
+
+    def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
+               ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:
+        """Embedding through the last layer; returns rms_norm(x) [T, D]."""
+        c = self.config
+        backend = self._backend(inputs.device)
+        x = self.embed(inputs)  # [T, D]
+        ngram = self.ngram_table.gather(ngram_slots, ngram_sink).to(x.dtype)  # [T, D]
+        gate = torch.sigmoid(F.linear(x[1:, :SMEAR_DIMS], self.smear_gate.weight.to(x.dtype)))
+        x = torch.cat([x[:1], x[1:] + self.smear_lambda.to(x.dtype) * gate * x[:-1]])
+        x0 = rms_norm(x)
+        x = x0 + self.ngram_lambdas[0].to(x.dtype) * ngram
+        ves = {layer: self.value_embeds.lookup(k, inputs, value_embed_grad).to(x.dtype)
+               for layer, k in self.ve_slot.items()}  # each [T, D]
+        skip = x
+        for i in range(c.num_layers):
+            if i == c.no_attention_layer:
+                x = x + (torch.sigmoid(self.skip_lambda) * self.skip_gate).to(x.dtype) * skip
+            else:
+                window = ws_long if i in c.long_window_layers else ws_short
+                x = self._attention_block(i, x, x0, ngram, ves.get(i), cum_seqlens, window,
+                                          max_seq_len, backend)
+            x = self._mlp_block(i, x)
+            if i == c.skip_from_layer:
+                skip = x
+        return rms_norm(x)
+
+    def _attention_block(self, i: int, x: Tensor, x0: Tensor, ngram: Tensor, ve: Tensor | None,
+                         cum_seqlens: Tensor, window: int, max_seq_len: int, backend: str) -> Tensor:
+        c = self.config
+        t, h, dh, a = x.shape[0], c.num_heads, c.head_dim, self.attn_slot[i]
+        lam = self.sa_lambdas[i].to(x.dtype)
+        xn = rms_norm(x)  # [T, D]
+        qk_w = self.qk_bank[a * h: (a + 1) * h].reshape(2 * h * dh, -1).to(x.dtype)  # [2*H*Dh, D]
+        q, k = F.linear(xn, qk_w).view(t, 2, h, dh).unbind(1)  # [T, H, Dh] each
+        v = F.linear(xn, self.vo_bank[2 * a].to(x.dtype)).view(t, h, dh) * lam[0]
+        if ve is not None:
+            gate_in = torch.cat([xn[:, :VE_GATE_DIMS], ve[:, :VE_GATE_DIMS]], dim=-1)  # [T, 12]
+            gate = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[self.ve_slot[i]].to(x.dtype)))
+            v = v + gate[..., None] * ve.view(t, h, dh)
+        q, k = rms_norm(q), rms_norm(k)
+        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend)  # [T, H, Dh]
+        y = F.linear(y.reshape(t, h * dh), self.vo_bank[2 * a + 1].to(x.dtype)) * lam[1]
+        r, p = self.resid_lambdas[i, 0].to(x.dtype), self.post_lambdas[i, 0].to(x.dtype)
+        x = r * x + p * y + self.x0_lambdas[i].to(x.dtype) * x0
+        if i > 0:  # layer 0's n-gram term went into the residual's initial value
+            x = x + self.ngram_lambdas[i].to(x.dtype) * ngram
+        return x
+
+    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
+                max_seq_len: int, backend: str) -> Tensor:
+        """Rotary + attention for layer i: paired heads, long (wide + key offset) or short."""
+        c = self.config
+        t, h, dh = q.shape
+        if i in c.paired_head_layers:
+            y = self.yarn_paired_head
+            q, k = (y.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh) for z in (q, k))
+            out = attention(pair_heads(q), pair_heads(k), pair_heads(v), 2 * cum_seqlens,
+                            2 * max_seq_len, window, y.attn_scale, backend)  # [2T, H/2, Dh]
+            return unpair_heads(out)
+        y = self.yarn_wide if i in c.long_window_layers else self.yarn
+        q, k = y.rotate(q), y.rotate(k)
+        if i in c.long_window_layers:
+            # partial key offset (facts 1.2): the stationary half of k_t is k_{t-1}'s (not doc-masked)
+            half = dh // 2
+            k = torch.cat([k[:, :, :half], torch.cat([k[:1, :, half:], k[:-1, :, half:]])], dim=-1)
+        return attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
+
+    def _mlp_block(self, i: int, x: Tensor) -> Tensor:
+        w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
+        hidden = F.relu(F.linear(rms_norm(x), w[0])).square()  # [T, F]
+        y = self.fp8.matmul(hidden, w[1])  # [T, D]
+        return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y

@@ -1,0 +1,429 @@
+"""The trainer: build, compile, warmup + capture, in-place reset, census, seal, timed run, report.
+
+What it replaces: modded-nanogpt's 2,400-line train_gpt.py main section, where the micro-step is
+written twice (warmup and timed) and the process group starts at import. Here `main()` reads as
+its phases, one `train_step` serves warmup and timed steps with graphs on or off (the step runner
+is StepGraphs or its eager twin), and every component is applied from outside the model.
+
+Timing (facts section 5): the clock covers data, forward, backward and optimizer, starts after a
+synchronize once the reset and seal are done, and stops (synchronized) around every validation.
+Per-step milliseconds come from CUDA events recorded at step boundaries (read after the run, so
+the host never waits on the device for them).
+
+Call order per step (train_step): window change (YaRN, at a stage's first step) -> per micro-step:
+loader batch -> n-gram slots -> runner.forward -> runner.backward -> hold the n-gram gradient ->
+optimizer.step (ANVIL every step, Adam every 2nd) -> n-gram update event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from track_1_short import config as config_mod
+from track_1_short import report
+from track_1_short.checkpoint import (CheckpointError, load_checkpoint, restore_state, save_checkpoint,
+                                      snapshot_state)
+from track_1_short.config import RunConfig
+from track_1_short.data import (BatchLoader, DataError, SliceShape, load_val_tokens, make_train_loader,
+                                num_val_slices, val_batches)
+from track_1_short.distributed import DistributedContext, destroy_distributed, init_distributed
+from track_1_short.model.gpt import GPT, ForwardScheduleConfig
+from track_1_short.model.loss import build_prefix_table
+from track_1_short.optim.adamw_baseline import AdamWBaseline
+from track_1_short.optim.anvil import AnvilAndAdam
+from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.perf.cuda_graphs import baked_addresses
+from track_1_short.perf.cuda_graphs.capture_plan import describe_plan, step_keys, warmup_visit_plan
+from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
+from track_1_short.schedule import Schedule
+from track_1_short.tokenizer import mergeable_ranks
+
+BF16_PARAMS = ("embed.weight", "lm_head", "qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight")
+
+
+@dataclass(slots=True)
+class Run:
+    """Everything main() builds; train_step and the phases read it."""
+
+    cfg: RunConfig
+    ctx: DistributedContext
+    schedule: Schedule
+    num_steps: int
+    model: GPT
+    forward_fn: object  # compiled model (or the model itself when --no-compile)
+    eval_fn: object
+    optimizer: object  # AnvilAndAdam or AdamWBaseline
+    runner: object  # StepGraphs or EagerStep
+    micro_steps: int
+    fwd_cfgs: list[ForwardScheduleConfig]
+    val_tokens: object
+    metrics: report.MetricsLog
+    run_dir: Path
+    prefix_table: Tensor
+    loader: BatchLoader | None = None
+    train_time_s: float = 0.0
+    timer: "StepTimer" = None
+    val_curve: list[dict] = field(default_factory=list)
+    warmup_s: float = 0.0
+
+
+class StepTimer:
+    """Per-step milliseconds without host syncs: CUDA events around each step, read once the run
+    is over (host clock on CPU, where every op is synchronous anyway)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: dict[int, tuple] = {}
+        self.ms: dict[int, float] = {}
+
+    def start(self, step: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.pending[step] = (event,)
+        else:
+            self.pending[step] = (time.perf_counter(),)
+
+    def stop(self, step: int) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.pending[step] += (event,)
+        else:
+            self.ms[step] = (time.perf_counter() - self.pending.pop(step)[0]) * 1e3
+
+    def resolve(self) -> dict[int, float]:
+        """All step times (synchronizes once on CUDA)."""
+        if self.pending and self.cuda:
+            torch.cuda.synchronize()
+            for step, (a, b) in self.pending.items():
+                self.ms[step] = a.elapsed_time(b)
+            self.pending.clear()
+        return self.ms
+
+
+# ---------------------------------------------------------------- build
+
+def _device(cfg: RunConfig, ctx: DistributedContext) -> torch.device:
+    if cfg.train.device == "cuda" and ctx.device.type != "cuda":
+        raise ValueError("--device cuda but no CUDA device is available")
+    return ctx.device
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> GPT:
+    """The GPT on its device: bf16 matrices on CUDA (fp32 masters live in the optimizer)."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(device)
+    if device.type == "cuda":
+        for name, p in model.named_parameters():
+            if name in BF16_PARAMS:
+                p.data = p.data.to(torch.bfloat16)
+    model.resolve_attention_backend(device)
+    return model
+
+
+def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext):
+    if cfg.train.optimizer == "adamw":
+        if ctx.world_size > 1:
+            raise ValueError("--optimizer adamw is a single-process baseline; use anvil with torchrun")
+        opt = AdamWBaseline(model.named_parameters(), lr=cfg.train.adamw_lr)
+    else:
+        opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
+                           tied_embed_head=(model.embed.weight, model.lm_head))
+    opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
+    return opt
+
+
+def forward_configs(schedule: Schedule, num_steps: int, device: torch.device) -> list[ForwardScheduleConfig]:
+    """Per-step ForwardScheduleConfig with its tensors made once (no per-step host-to-device copy)."""
+    out = []
+    for step in range(num_steps):
+        plan = schedule.plan(step)
+        out.append(ForwardScheduleConfig(
+            mtp_weights=torch.tensor(plan.mtp_weights, dtype=torch.float32, device=device),
+            prefix_weight=torch.tensor(plan.prefix_weight, dtype=torch.float32, device=device),
+            sampled_loss=None, ws_short=plan.ws_short, ws_long=plan.ws_long,
+            train_max_seq_len=plan.max_seq_len))
+    return out
+
+
+def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
+    device = _device(cfg, ctx)
+    schedule = Schedule(cfg.schedule)
+    num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
+    if cfg.model.ngram.cycle != cfg.schedule.ngram_cycle:
+        cfg.model.ngram.cycle = cfg.schedule.ngram_cycle  # one cadence: the schedule's
+    micro_steps = cfg.data.slices_per_step // ctx.world_size
+    if micro_steps * ctx.world_size != cfg.data.slices_per_step:
+        raise ValueError(f"world size {ctx.world_size} must divide slices_per_step "
+                         f"{cfg.data.slices_per_step} (use 1, 2, 4 or 8 GPUs)")
+    model = build_model(cfg, device)
+    optimizer = build_optimizer(cfg, model, ctx)
+    forward_fn, eval_fn = model, model.eval_ce
+    if cfg.train.compile:
+        forward_fn = torch.compile(model, fullgraph=True, dynamic=False)
+        eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False)
+    keys = step_keys(schedule, num_steps=num_steps)
+    runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
+                              ngram_table=model.ngram_table, value_embeds=model.value_embeds,
+                              max_step_tokens=max(k.tokens for k in keys),
+                              adam_every=getattr(optimizer, "adam_every", cfg.optim.adam_every),
+                              grad_accum_steps=micro_steps, device=device,
+                              ngram_ring_slots=cfg.schedule.ngram_cycle * micro_steps)
+    run_id = cfg.train.run_id or f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = cfg.train.runs_dir / run_id
+    prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
+    val = load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens)
+    return Run(cfg=cfg, ctx=ctx, schedule=schedule, num_steps=num_steps, model=model,
+               forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer, runner=runner,
+               micro_steps=micro_steps, fwd_cfgs=forward_configs(schedule, num_steps, device),
+               val_tokens=val, metrics=report.MetricsLog(run_dir, enabled=ctx.is_main),
+               run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device))
+
+
+def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> BatchLoader:
+    """The training loader; warmup uses another seed so the timed run starts on unseen order."""
+    sched, cfg = run.schedule, run.cfg
+    shapes = [SliceShape(s.tokens_per_rank, s.max_seq_len, s.cu_seqlens_rows) for s in cfg.schedule.stages]
+    largest = SliceShape(max(s.tokens for s in shapes), max(s.max_seq_len for s in shapes),
+                         max(s.cu_seqlens_rows for s in shapes))
+
+    def shape_for_step(step: int) -> SliceShape:
+        return shapes[sched.stage_index(min(step, sched.num_steps - 1))]
+
+    return make_train_loader(cfg.data.data_dir, shape_for_step, run.ctx.rank, run.ctx.world_size,
+                             run.ctx.device, seed=cfg.data.seed + seed_offset, max_shape=largest,
+                             shuffle=cfg.data.shuffle, state=state,
+                             slices_per_step=cfg.data.slices_per_step)
+
+
+# ---------------------------------------------------------------- one step
+
+def train_step(run: Run, step: int, loader: BatchLoader) -> Tensor:
+    """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
+    on the device, owned by the caller)."""
+    plan = run.schedule.plan(step)
+    if plan.window_change is not None:
+        run.model.apply_window_change(*plan.window_change)  # YaRN tables in place, scales move
+    ngram, fwd_cfg = run.model.ngram_table, run.fwd_cfgs[step]
+    total = torch.zeros((), device=run.ctx.device)
+    for micro in range(run.micro_steps):
+        batch = loader.next_batch()
+        ids = ngram.row_ids(batch.inputs)  # [2T] table rows of this micro-batch
+        slots = ngram.slots_for(batch.inputs, ids)
+        loss = run.runner.forward(step, batch, slots, fwd_cfg, micro_step=micro)
+        total += loss  # loss may be graph memory: accumulate before the next replay
+        ngram_grad = run.runner.backward()
+        last = micro == run.micro_steps - 1
+        held = run.runner.hold_ngram_grad(ngram_grad, ngram.num_pending, plan.ngram_event and last)
+        ngram.hold(held, ids)
+    # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
+    run.optimizer.step(step, plan.lr_mul, plan.momentum)
+    if plan.ngram_event:
+        ngram.update_event(step, plan.lr_mul)  # sparse Adam on the held rows, cache refreshed
+    return total / (run.micro_steps * plan.tokens_per_rank)
+
+
+@torch.no_grad()
+def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
+    """Mean per-token CE over the validation tokens (every rank's slices, reduced)."""
+    dcfg, device = run.cfg.data, run.ctx.device
+    T = min(dcfg.val_tokens_per_batch, run.val_tokens.size - 1)
+    ngram = run.model.ngram_table
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    for batch in val_batches(run.val_tokens, T, dcfg.val_cu_seqlens_rows, run.ctx.rank,
+                             run.ctx.world_size, device):
+        slots = ngram.slots_for(batch.inputs)
+        ce = run.eval_fn(batch.inputs, batch.targets, batch.cum_seqlens, slots, ws_short, ws_long, T)
+        loss_sum += ce.double().sum()
+        count += ce.numel()
+    if run.ctx.world_size > 1:
+        stats = torch.stack([loss_sum, count])
+        torch.distributed.all_reduce(stats)
+        loss_sum, count = stats[0], stats[1]
+    return float(loss_sum / count)
+
+
+# ---------------------------------------------------------------- phases
+
+def _sync(run: Run) -> None:
+    if run.ctx.device.type == "cuda":
+        torch.cuda.synchronize(run.ctx.device)
+
+
+def warmup_and_capture(run: Run) -> None:
+    """Untimed: visit every key twice (capture, then replay + self-check), both Adam parities,
+    n-gram events and every window change, on a warmup data order."""
+    keys = step_keys(run.schedule, num_steps=run.num_steps)
+    visits = warmup_visit_plan(run.schedule, num_steps=run.num_steps)
+    if run.ctx.is_main:
+        print(describe_plan(run.schedule, keys, visits), flush=True)
+    loader = make_loader(run, seed_offset=10_000)
+    t0 = time.perf_counter()
+    prev_stage = 0
+    try:
+        for step in visits:
+            plan = run.schedule.plan(step)
+            if plan.window_change is None and plan.stage_index != prev_stage:
+                # jumped over the stage's first step: bring YaRN to this stage's window
+                run.model.apply_window_change(run.cfg.schedule.stages[prev_stage].ws_long, plan.ws_long)
+            prev_stage = plan.stage_index
+            loss = train_step(run, step, loader)
+            if run.ctx.is_main:
+                print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f}", flush=True)
+            evaluate_probe = plan.validate
+            if evaluate_probe:
+                evaluate(run, plan.ws_short, plan.ws_long)  # compiles this window's eval graph
+    finally:
+        loader.close()
+    _sync(run)
+    run.warmup_s = time.perf_counter() - t0
+
+
+def timed_run(run: Run, start_step: int) -> None:
+    cfg = run.cfg
+    run.loader = run.loader or make_loader(run)
+    bar = tqdm(range(start_step, run.num_steps), desc="train", disable=not run.ctx.is_main,
+               file=sys.stdout, mininterval=1.0)
+    _sync(run)
+    clock = time.perf_counter()
+    losses: dict[int, Tensor] = {}
+    for step in bar:
+        plan = run.schedule.plan(step)
+        if plan.validate and step > start_step:
+            _sync(run)
+            run.train_time_s += time.perf_counter() - clock
+            _validate(run, step, plan.ws_short, plan.ws_long)
+            _sync(run)
+            clock = time.perf_counter()
+        run.timer.start(step)
+        losses[step] = train_step(run, step, run.loader)
+        run.timer.stop(step)
+        if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
+            loss = float(losses[step])
+            elapsed = run.train_time_s + time.perf_counter() - clock
+            tokens = (step + 1 - start_step) * run.micro_steps * plan.tokens_per_rank
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
+            run.metrics.log(kind="train", step=step, stage=plan.stage, loss=loss,
+                            train_time_s=elapsed, lr_mul=plan.lr_mul, epoch=run.loader.epoch)
+        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+            _sync(run)
+            run.train_time_s += time.perf_counter() - clock
+            save_checkpoint(run, step + 1)
+            clock = time.perf_counter()
+    _sync(run)
+    run.train_time_s += time.perf_counter() - clock
+    bar.close()
+
+
+def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
+    val = evaluate(run, ws_short, ws_long)
+    run.val_curve.append({"step": step, "val_loss": val, "train_time_s": run.train_time_s})
+    run.metrics.log(kind="val", step=step, val_loss=val, train_time_s=run.train_time_s,
+                    ws_short=ws_short, ws_long=ws_long)
+    if run.ctx.is_main:
+        tqdm.write(f"step {step}: val loss {val:.4f} (train time {run.train_time_s:.1f} s)")
+    return val
+
+
+def step_times(run: Run) -> list[dict]:
+    return [{"stage": run.schedule.plan(s).stage, "step": s, "step_ms": ms}
+            for s, ms in sorted(run.timer.resolve().items())]
+
+
+def summarize(run: Run, start_step: int) -> dict:
+    cfg, ctx = run.cfg, run.ctx
+    tokens = sum(run.micro_steps * run.schedule.plan(s).tokens_per_rank for s in range(start_step, run.num_steps))
+    summary = {
+        "preset": cfg.preset, "git_revision": report.git_revision(),
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+        "world_size": ctx.world_size, "micro_steps": run.micro_steps,
+        "steps": run.num_steps - start_step, "start_step": start_step,
+        "tokens_per_rank": tokens, "train_time_s": run.train_time_s, "warmup_s": run.warmup_s,
+        "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
+        "ms_per_step_by_stage": report.stage_ms_per_step(step_times(run)),
+        "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
+        "epochs_seen": run.loader.epoch if run.loader else 0,
+        "graphs": cfg.graphs.mode, "attention_backend": run.model.attention_backend,
+        "capture_report": run.runner.capture_report(),
+        "peak_memory_gib": (torch.cuda.max_memory_allocated(ctx.device) / 2**30
+                            if ctx.device.type == "cuda" else None),
+        "config": cfg.to_dict(),
+    }
+    return summary
+
+
+def reset_to_initial(run: Run, initial: dict) -> None:
+    """Restore the initial state in place after warmup (parameters, optimizer, tables, YaRN)."""
+    restore_state(run, initial)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: flags -> RunConfig (bad flags exit 2) -> train()."""
+    return train(config_mod.parse(argv))
+
+
+def train(cfg: RunConfig) -> int:
+    """The whole run in its phases; returns the process exit code (2: bad data or checkpoint)."""
+    ctx = init_distributed(cfg.train.timeout_s, None if cfg.train.device == "auto" else cfg.train.device)
+    try:
+        run = build(cfg, ctx)
+        if ctx.is_main:
+            print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
+                  f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
+            report.write_json_atomic(run.run_dir / "config.json", cfg.to_dict())
+        initial = snapshot_state(run)
+        if cfg.train.compile or cfg.graphs.mode != "off":
+            warmup_and_capture(run)
+            census_before = baked_addresses.take_census(run.model, run.runner)
+            reset_to_initial(run, initial)
+            baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
+        elif ctx.is_main:
+            print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
+                  flush=True)
+        run.runner.seal()
+        run.model.set_prefix_table(run.prefix_table)
+        start_step = 0
+        if cfg.train.resume is not None:
+            start_step = load_checkpoint(run, cfg.train.resume)
+        if start_step == 0:
+            plan0 = run.schedule.plan(0)
+            _validate(run, 0, plan0.ws_short, plan0.ws_long)
+        timed_run(run, start_step)
+        ws_short, ws_long = run.schedule.final_validation_windows()
+        if run.num_steps < run.schedule.num_steps:
+            last = run.schedule.plan(run.num_steps - 1)
+            ws_short, ws_long = last.ws_short, last.ws_long
+        _validate(run, run.num_steps, ws_short, ws_long)
+        if cfg.train.save_final:
+            save_checkpoint(run, run.num_steps)
+        if ctx.is_main:
+            summary = summarize(run, start_step)
+            report.write_json_atomic(run.run_dir / "summary.json", summary)
+            report.plot_run(run.run_dir, run.metrics.records, step_times(run))
+            print(f"done: {summary['steps']} steps, {summary['tokens_per_rank']} tokens/rank, "
+                  f"train time {summary['train_time_s']:.1f} s, final val loss "
+                  f"{summary['final_val_loss']:.4f}; summary {run.run_dir / 'summary.json'}", flush=True)
+        if run.loader is not None:
+            run.loader.close()
+        return 0
+    except (DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
