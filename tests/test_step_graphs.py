@@ -285,8 +285,10 @@ def test_micro_steps_accumulate_anvil_grads():
     g0 = h.model.bank_qk.grad.clone()
     h.step(0, micro_step=1)
     assert not any(h.model.bank_qk.grad is g for _, g in h.runner.captured[h.keys[0]].grads)
+    # each micro-step's loss is scaled by 1 / grad_accum_steps (training_loss's grad_scale)
+    torch.testing.assert_close(g0, 0.5 * reference_grads(h.model, 0, seed=0)["bank_qk"])
     torch.testing.assert_close(h.model.bank_qk.grad,
-                               g0 + reference_grads(h.model, 0, seed=1)["bank_qk"])
+                               g0 + 0.5 * reference_grads(h.model, 0, seed=1)["bank_qk"])
     with pytest.raises(StepGraphError, match="micro_step 2"):
         h.step(0, micro_step=2)
 

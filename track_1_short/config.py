@@ -109,11 +109,11 @@ def _scaled_stages(steps: tuple[int, ...]) -> tuple[StageConfig, ...]:
 def _tiny_stages() -> tuple[StageConfig, ...]:
     common = dict(cu_seqlens_rows=8, prefix_weight_end=0.0, mtp_weights_end=(1.0, 0.0))
     return (
-        StageConfig(name="A", num_steps=120, tokens_per_rank=1024, ws_short=128, ws_long=256,
-                    max_seq_len=512, mtp_weights_start=(1.0, 0.5), prefix_weight_start=0.25,
+        StageConfig(name="A", num_steps=120, tokens_per_rank=512, ws_short=128, ws_long=256,
+                    max_seq_len=256, mtp_weights_start=(1.0, 0.5), prefix_weight_start=0.25,
                     lr_mul=1.0, **common),
-        StageConfig(name="B", num_steps=80, tokens_per_rank=1024, ws_short=128, ws_long=512,
-                    max_seq_len=1024, mtp_weights_start=(1.0, 0.0), prefix_weight_start=0.0,
+        StageConfig(name="B", num_steps=80, tokens_per_rank=512, ws_short=128, ws_long=384,
+                    max_seq_len=512, mtp_weights_start=(1.0, 0.0), prefix_weight_start=0.0,
                     lr_mul=1.0, **common),
     )
 
@@ -142,8 +142,8 @@ def preset(name: str) -> RunConfig:
                          optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=50,
                                            momentum_cooldown_steps=20),
                          graphs=StepGraphsConfig(mode="off"),
-                         data=DataConfig(slices_per_step=1, val_tokens=65_536,
-                                         val_tokens_per_batch=4096, val_cu_seqlens_rows=64),
+                         data=DataConfig(slices_per_step=1, val_tokens=16_384,
+                                         val_tokens_per_batch=2048, val_cu_seqlens_rows=16),
                          train=TrainConfig(compile=False, device="cpu", log_every=10))
     raise ValueError(f"unknown preset {name!r}: one of {PRESETS}")
 

@@ -54,6 +54,7 @@ class NgramConfig:
     trigram_rows: int = 377_280  # ours (not in HEAD), last row reserved
     cache_rows: int = 2 * 49_152  # >= 2T of the largest step
     cycle: int = 2  # update event every `cycle` steps (sinks held in between)
+    micro_steps: int = 1  # backward passes per step (gradient accumulation): held per cycle x this
     lr: float = 0.6  # HEAD bigram_embed: base 0.008 x lr_mul 75
     beta1: float = 0.75
     beta2: float = 0.95
@@ -186,9 +187,12 @@ class NgramTable(nn.Module):
     def hold(self, ngram_grad: Tensor, ids: Tensor):
         """Keep one step's sink gradient [2T, R] and its row ids [2T] until the update event. The
         caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
-        # The seed's ring has MAX_CYCLE_STEPS slots; one more held gradient would alias a live one.
-        assert self.num_pending < self.cfg.cycle, \
-            f"{self.num_pending + 1} held n-gram gradients > cycle {self.cfg.cycle}; missed an event"
+        # The step graphs' ring has cycle x micro_steps slots; one more held gradient would alias a
+        # live one (an explicit raise: this guard must survive python -O).
+        bound = self.cfg.cycle * self.cfg.micro_steps
+        if self.num_pending >= bound:
+            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > cycle {self.cfg.cycle} x "
+                               f"micro_steps {self.cfg.micro_steps}; an update event was missed")
         self.held.grads.append(ngram_grad)
         self.held.ids.append(ids)
 

@@ -161,12 +161,12 @@ def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
     device = _device(cfg, ctx)
     schedule = Schedule(cfg.schedule)
     num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
-    if cfg.model.ngram.cycle != cfg.schedule.ngram_cycle:
-        cfg.model.ngram.cycle = cfg.schedule.ngram_cycle  # one cadence: the schedule's
     micro_steps = cfg.data.slices_per_step // ctx.world_size
     if micro_steps * ctx.world_size != cfg.data.slices_per_step:
         raise ValueError(f"world size {ctx.world_size} must divide slices_per_step "
                          f"{cfg.data.slices_per_step} (use 1, 2, 4 or 8 GPUs)")
+    # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
+    cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, micro_steps
     model = build_model(cfg, device)
     optimizer = build_optimizer(cfg, model, ctx)
     forward_fn, eval_fn = model, model.eval_ce
@@ -211,7 +211,7 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> Ba
 
 def train_step(run: Run, step: int, loader: BatchLoader) -> Tensor:
     """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
-    on the device, owned by the caller)."""
+    on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps."""
     plan = run.schedule.plan(step)
     if plan.window_change is not None:
         run.model.apply_window_change(*plan.window_change)  # YaRN tables in place, scales move
@@ -231,7 +231,7 @@ def train_step(run: Run, step: int, loader: BatchLoader) -> Tensor:
     run.optimizer.step(step, plan.lr_mul, plan.momentum)
     if plan.ngram_event:
         ngram.update_event(step, plan.lr_mul)  # sparse Adam on the held rows, cache refreshed
-    return total / (run.micro_steps * plan.tokens_per_rank)
+    return total / plan.tokens_per_rank
 
 
 @torch.no_grad()

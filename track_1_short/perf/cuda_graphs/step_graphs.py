@@ -165,11 +165,12 @@ def check_key(step: int, batch: Batch, cfg: ForwardScheduleConfig,
 
 def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor,
                   ngram_slots: Tensor, cfg: ForwardScheduleConfig, ngram_sink: Tensor,
-                  value_embed_grad: Tensor) -> Tensor:
+                  value_embed_grad: Tensor, grad_scale: float = 1.0) -> Tensor:
     """THE step loss (0-d): the single definition run by the capture, the warm iterations, the
-    self-check and the eager twin."""
+    self-check and the eager twin. grad_scale = 1 / grad_accum_steps (a constant of the run): with
+    the optimizer's AVG over ranks, every world size then sees the mean over the step's slices."""
     return model(inputs, targets, cum_seqlens, ngram_slots, cfg, ngram_sink=ngram_sink,
-                 value_embed_grad=value_embed_grad).sum()
+                 value_embed_grad=value_embed_grad).sum() * grad_scale
 
 
 class GradHandoff:
@@ -306,7 +307,8 @@ class StepGraphs:
     def _loss(self, cs: CapturedStep) -> Tensor:
         s = cs.static
         return training_loss(self.model, s.inputs, s.targets, s.cum_seqlens, s.ngram_slots, cs.cfg,
-                             cs.ngram_sink, self.value_embeds.grad_accum)
+                             cs.ngram_sink, self.value_embeds.grad_accum,
+                             1.0 / self.handoff.grad_accum_steps)
 
     def _replay(self, graph: Any, timed: bool) -> float | None:
         if not timed:
@@ -526,7 +528,8 @@ class EagerStep:
         check_key(step, batch, cfg, self.step_keys)
         sink = self.ngram_table.grad_sink(batch.inputs.numel())
         loss = training_loss(self.model, batch.inputs, batch.targets, batch.cum_seqlens,
-                             ngram_slots, cfg, sink, self.value_embeds.grad_accum)
+                             ngram_slots, cfg, sink, self.value_embeds.grad_accum,
+                             1.0 / self.handoff.grad_accum_steps)
         self.in_flight = (step, micro_step, loss, sink)
         return loss.detach()
 

@@ -1,0 +1,99 @@
+"""Smoke tests of the GPU benchmarks bench/model.py and bench/step_graphs.py, so they do not rot.
+
+Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
+tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
+RecordingGraphBackend stand-in and the real EagerStep, with a real AnvilAndAdam) in subprocesses
+(their process-wide settings stay out of this pytest process), and write complete JSON with the
+command, every key and variant, computed goals and the model JSON from the eager variant. Plus the
+FLOPs arithmetic and the synthetic batch's packing invariants, checked directly.
+Hardware: CPU; ~30 s on 2 busy cores.
+Run: `.venv/bin/python -m pytest tests/test_bench_smoke.py -q`.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import common
+from bench import model as model_bench
+from track_1_short.model.gpt import GPTConfig
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = {"A_half", "A", "B", "C", "D"}
+
+
+def _run(script: str, *args: str) -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--smoke", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_model_bench_smoke(tmp_path):
+    out = tmp_path / "model.json"
+    _run("model.py", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["complete"] and "--smoke" in data["command"] and not data["errors"]
+    assert set(data["keys"]) == {"A", "B", "C", "D"}
+    for row in data["keys"].values():
+        assert row["median_ms"] > 0 and row["n"] == 2 and row["recompiles_timed"] == 0
+        assert row["model_flops"] > row["dense_flops"] > 0 and row["mfu"] > 0
+    assert set(data["goals"]) == {"mfu_C_ge_35pct", "ms_C_le_100", "no_recompiles"}
+
+
+def test_step_graphs_bench_smoke(tmp_path):
+    out, model_out = tmp_path / "sg.json", tmp_path / "sg_model.json"
+    _run("step_graphs.py", "--out", str(out), "--also-model-json", str(model_out))
+    data = json.loads(out.read_text())
+    assert data["complete"] and "--smoke" in data["command"]
+    # reduce-overhead is CUDA only: recorded as skipped, nothing else may fail
+    assert set(data["errors"]) == {"reduce-overhead"}, data["errors"]
+    assert set(data["results"]) == KEYS
+    for variants in data["results"].values():
+        assert set(variants) == {"eager", "graphs"}
+        for row in variants.values():
+            assert row["wall_ms"] > 0 and row["n"] == 2 and row["recompiles_timed"] == 0
+    assert data["sealed"] is True
+    report = data["capture_report"]
+    assert len(report) == len(KEYS) and all(r["self_checks"] >= 1 for r in report)
+    assert data["speedups"]["A_half"]["graphs_over_eager"] > 0
+    assert isinstance(data["goals"]["graphs_never_slower_than_eager"], bool)
+    assert data["goals"]["graphs_gpu_busy_ge_99pct"] is None  # no profiler on CPU
+    model = json.loads(model_out.read_text())
+    assert model["complete"] and set(model["keys"]) == KEYS
+    assert "eager variant" in model["source"]
+
+
+def test_flops_formula():
+    c = GPTConfig()
+    params = model_bench.matmul_params(c)
+    assert params == {"qk_bank": 10 * 6 * 256 * 768, "vo_bank": 20 * 768 * 768,
+                      "mlp_bank": 11 * 2 * 3072 * 768, "lm_head": 768 * 50304}
+    assert model_bench._keys_attended([3], 2) == 1 + 2 + 2
+    assert model_bench._keys_attended([2, 5], 8) == 3 + 15
+    spec = common.key_specs(smoke=False)["C"]
+    pieces = [512] * 96  # 49,152 tokens
+    f = model_bench.flops(c, spec, pieces)
+    assert f["dense_flops"] == 6 * sum(params.values()) * 49152
+    # 8 short-window layers (640 > 512: the document length binds) + 2 long, x3 for fwd + bwd
+    assert f["attention_flops"] == pytest.approx(10 * 3 * 4 * 49152 * 512 * 768)
+    assert f["attention_exact_causal_flops"] < f["attention_flops"]
+
+
+@pytest.mark.parametrize("name", ["A_half", "A", "B", "C", "D"])
+def test_synthetic_batch_packing(name):
+    spec = common.key_specs(smoke=False)[name]
+    batch, pieces = common.synthetic_batch(spec, torch.device("cpu"), seed=3)
+    t, cu = spec.tokens, batch.cum_seqlens
+    assert batch.inputs.shape == (t,) and batch.inputs.dtype == torch.int32
+    assert batch.targets.dtype == torch.int64 and torch.equal(batch.inputs[1:].long(), batch.targets[:-1])
+    assert cu.shape == (spec.cu_seqlens_rows,) and cu[0] == 0 and cu[-1] == t
+    assert bool((cu[1:] >= cu[:-1]).all()) and sum(pieces) == t
+    starts = cu[cu < t].long()
+    assert bool((batch.inputs[starts] == common.BOS_ID).all())
+    assert int(batch.inputs.max()) <= common.BOS_ID and max(pieces) <= spec.max_seq_len
