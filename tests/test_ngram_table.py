@@ -104,7 +104,7 @@ def test_hold_beyond_cycle_is_caught():
     table = NgramTable(_cfg(cycle=1))
     x = _tokens(8)
     table.hold(torch.zeros(16, 8, dtype=torch.float64), table.row_ids(x))
-    with pytest.raises(AssertionError, match="missed an event"):
+    with pytest.raises(RuntimeError, match="update event was missed"):
         table.hold(torch.zeros(16, 8, dtype=torch.float64), table.row_ids(x))
 
 

@@ -1,12 +1,14 @@
-"""NgramTable: hashed bigram and trigram embedding rows, a per-step row cache, gradient sinks and
-sparse Adam update events (single device; a later version shards the rows across ranks).
+"""NgramTable: hashed bigram and trigram embedding rows, sharded by row range over ranks, a per-rank
+device row cache, gradient sinks, and sparse Adam update events.
 
 What it replaces: HEAD modded-nanogpt's dense `bigram_embed` parameter (377,280 x 768, updated by
-dense Adam every 2nd step, with a hand-rolled sparse gradient exchange; facts 1.2 and 4.3). Here the
-table is a buffer, not a Parameter: the forward only reads a row cache, its gradient comes out of a
-zeros "sink" leaf added to the gathered rows (one [2T, R] gradient per step instead of a dense
-[ROWS, R] one), and the gradients of up to MAX_CYCLE_STEPS steps are held and applied at once as a
-sparse (lazy) Adam update of the touched rows at the table's update event.
+dense Adam every 2nd step, with a hand-rolled sparse gradient exchange and a dense all_gather of the
+whole table; facts 1.2 and 4.3). Here the table is a buffer, not a Parameter: the forward only reads
+a row cache, its gradient comes out of a zeros "sink" leaf added to the gathered rows (one [2T, R]
+gradient per micro-step instead of a dense [ROWS, R] one), and the gradients of up to
+MAX_CYCLE_STEPS steps are held and applied at once as a sparse (lazy) Adam update of the touched
+rows at the table's update event. With W ranks rank r stores only rows [r*ROWS/W, (r+1)*ROWS/W) of the
+table and its Adam state; nothing dense is ever all-gathered (HEAD moves 377,280 x 768 every 2nd step).
 
 Hashing (facts 1.2, extended with trigrams): each token t_i gets 2 rows, laid out in ngram_slots as
 [bigram rows of all T tokens, then trigram rows]:
@@ -15,28 +17,62 @@ Hashing (facts 1.2, extended with trigrams): each token t_i gets 2 rows, laid ou
 - n-grams never cross a BOS (50256): a BOS token, the token right after it (and the first token of the
   batch) have no bigram context and take the reserved row B-1; a token without two context tokens
   after the last BOS takes the reserved trigram row B+G-1. (HEAD hashes across BOS; deviation.)
-- sign trick: a fixed seeded +-1 buffer `sign` [SIGN_ROWS, R]; n-gram j multiplies its gathered row by
-  sign[(t_i XOR t_{i-1}) mod SIGN_ROWS] (bigram) or sign[(t_i XOR t_{i-1} XOR 7 t_{i-2}) mod SIGN_ROWS]
-  (trigram), 0 for no context, so colliding n-grams partly cancel instead of adding up.
-- ngram_slots packs both indices: slot * SIGN_ROWS + sign index (one int64 tensor the step graphs
-  copy into their static buffer). This local version does not deduplicate: slot j holds row ids[j].
+- sign trick: a fixed seeded +-1 buffer `sign` [S, R]; n-gram j multiplies its gathered row by
+  sign[(t_i XOR t_{i-1}) mod S] (bigram) or sign[(t_i XOR t_{i-1} XOR 7 t_{i-2}) mod S]
+  (trigram), 0 for no context, so colliding n-grams partly cancel instead of adding up. The seed is
+  a config value, so every rank builds the same buffer without a broadcast.
+- ngram_slots packs both indices: slot * S + sign index (one int64 tensor the step graphs copy into
+  their static buffer). Cache slot j holds row ids[j] (no deduplication in the cache), so the slots,
+  the cache contents and every gather are bit-identical for any world size.
+
+Sharding (`shard(rank, world_size, group)`, called by the trainer after building the model and
+before warmup/capture; it REPLACES `table`, `exp_avg`, `exp_avg_sq` by this rank's row slice, so the
+census sees the final addresses). ROWS = bigram_rows + trigram_rows must be a multiple of W (ValueError
+naming both otherwise; no padding). Row i is owned by rank i // (ROWS / W). With W = 1 no collective is
+ever issued and the code paths are the ones of the local table.
+
+Row pull, two phases (all collectives are torch.distributed.all_to_all_single: NCCL on GPU, gloo on
+CPU; gloo supports it for int64/float64/float32/bfloat16 with uneven splits in torch 2.13, checked):
+- phase A, `request_rows(ids) -> RowRequest` (ids only, so it may run any time before phase B, e.g.
+  for the next micro-batch between this micro-step's forward and backward; perf/row_prefetch.py):
+  unique the [2T] ids (sorted, hence grouped by owner), exchange per-owner counts (a host sync of the
+  current stream on the counts; RowPrefetch issues phase A on a CUDA side stream, so it waits for the
+  next batch's copy and ids, not for the forward replay), then the ids themselves (async).
+- phase B, inside `slots_for(inputs, ids, request)` (eager, right before the forward that uses the
+  rows): owners gather the requested rows from their slice and send them back (all_to_all_single);
+  the rank scatters them into `cache[:2T]` in place. Phase B reads the table when it runs, so rows
+  always reflect every update event issued before it: an event at step s is applied before step
+  s+1's slots_for, whatever phase A did earlier (tested across events in test_ngram_sharded.py).
+
+Update event (`update_event(step, lr_scale)`, collective, every `cycle` steps after the optimizer):
+the held (grad [2T, R], ids [2T]) of every micro-step since the last event are summed per row
+locally (unique + index_add), sent to their owners (all_to_all_single of counts, ids, rows), the
+owner sums the contributions of all ranks and divides by W (AVG, as the dense parameters' reductions;
+the loss is scaled by 1 / micro_steps, so W ranks with 8/W micro-steps see the mean gradient one rank
+sees with 8), then runs the SparseAdam formula on the touched owned rows. `num_updates` (the bias
+correction step) counts events and is the same on every rank. W = 1 refreshes the cache in place
+from the table; W > 1 leaves the refresh to the next slots_for (which refills it in place before
+any forward reads it; a refresh here would be one more collective per event for nothing).
 
 What must stay address-stable (the step graphs bake them): `cache` [cache_rows, R] (refilled in
-place by slots_for and update_event), `sign`, and every sink in `self.sinks` (one zeros leaf per token
-count, never reallocated; reset() only zeroes them). The master table and Adam state are buffers
-updated in place (never read by a graph, but censused as model buffers).
+place by slots_for), `sign`, and every sink in `self.sinks` (one zeros leaf per token count, never
+reallocated; reset() only zeroes them). The master slice and Adam state are buffers updated in place
+after shard() (never read by a graph, but censused as model buffers).
 
-Call order per step (train.py): ids = row_ids(inputs); slots = slots_for(inputs, ids) (eager, before
-the forward); forward gathers with gather(slots, grad_sink(T)); after the backward
-hold(sink_grad, ids); if is_event(step): update_event(step). reset() after warmup.
+Call order per micro-step (train.py; see perf/row_prefetch.py for the prefetching form):
+ids = row_ids(inputs); slots = slots_for(inputs, ids) (eager, before the forward, collective when
+W > 1); the forward gathers with gather(slots, grad_sink(T)); after the backward hold(sink_grad, ids);
+after the step's optimizer, if is_event(step): update_event(step) (collective when W > 1). reset()
+after warmup. Every rank must make the same sequence of collective calls (slots_for, update_event).
 
 Legend: T tokens, R row width (NGRAM_DIM for the speedrun), B bigram rows, G trigram rows,
-U touched rows at an event, S sign rows.
+N held n-grams (sum of 2T), U unique rows, S sign rows, W world size, Q rows requested from this rank.
 """
 
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 NGRAM_DIM = 768
@@ -52,7 +88,7 @@ class NgramConfig:
     dim: int = NGRAM_DIM  # row width R; must equal the model dim (rows are added to the residual)
     bigram_rows: int = 377_280  # HEAD: 50304 * 15 // 2, last row reserved for "no context"
     trigram_rows: int = 377_280  # ours (not in HEAD), last row reserved
-    cache_rows: int = 2 * 49_152  # >= 2T of the largest step
+    cache_rows: int = 2 * 49_152  # >= 2T of the largest micro-batch
     cycle: int = 2  # update event every `cycle` steps (sinks held in between)
     micro_steps: int = 1  # backward passes per step (gradient accumulation): held per cycle x this
     lr: float = 0.6  # HEAD bigram_embed: base 0.008 x lr_mul 75
@@ -71,6 +107,8 @@ class NgramConfig:
                 raise ValueError(f"NgramConfig.{name}={getattr(self, name)} must be >= 2")
         if self.cache_rows < 2:
             raise ValueError(f"NgramConfig.cache_rows={self.cache_rows} must be >= 2 (2 per token)")
+        if self.micro_steps < 1:
+            raise ValueError(f"NgramConfig.micro_steps={self.micro_steps} must be >= 1")
 
     @property
     def num_rows(self) -> int:
@@ -81,6 +119,41 @@ class NgramConfig:
 class _Held:
     grads: list[Tensor] = field(default_factory=list)  # [2T, R] each (caller-owned memory)
     ids: list[Tensor] = field(default_factory=list)  # [2T] each
+
+
+@dataclass(slots=True)
+class RowRequest:
+    """Phase A of a row pull (ids exchanged, rows not yet); consumed by slots_for (phase B)."""
+    ids: Tensor  # [2T] table rows of the micro-batch (global ids)
+    wanted: Tensor  # [U] unique ids, sorted, hence grouped by owner
+    inverse: Tensor  # [2T] position of ids[j] in wanted
+    send_counts: list[int]  # [W] ids this rank asked of each owner
+    recv_counts: list[int]  # [W] ids each rank asked of this rank
+    served: Tensor  # [Q] global ids other ranks asked of this rank (valid after work.wait())
+    work: object | None  # async all_to_all handle of `served` (None when complete)
+
+
+def _exchange_counts(counts: Tensor, group) -> list[int]:
+    """all_to_all of one count per rank: [W] sent -> [W] received, as host ints (one host sync)."""
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    return recv.tolist()
+
+
+def _exchange(send: Tensor, send_counts: list[int], recv_counts: list[int], group,
+              async_op: bool = False) -> tuple[Tensor, object | None]:
+    """all_to_all_single along dim 0 with uneven splits: [sum send_counts, ...] -> [sum recv_counts, ...]."""
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group,
+                                  async_op=async_op)
+    return recv, work
+
+
+def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """[N] ids, [N, R] grads -> [U] unique ids (sorted), [U, R] summed grads."""
+    rows, inverse = ids.unique(return_inverse=True)
+    g = grads.new_zeros(rows.numel(), grads.shape[1])
+    return rows, g.index_add_(0, inverse, grads)
 
 
 class NgramTable(nn.Module):
@@ -101,6 +174,29 @@ class NgramTable(nn.Module):
                              persistent=False)  # [cache_rows] table row held by each cache row
         self.sinks: dict[int, Tensor] = {}
         self.held = _Held()
+        self.rank, self.world_size, self.group = 0, 1, None
+        self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
+
+    # ---- sharding (once, after construction, before warmup and capture) ----
+
+    @torch.no_grad()
+    def shard(self, rank: int, world_size: int, group=None) -> None:
+        """Keep only rows [rank*ROWS/W, (rank+1)*ROWS/W) of the table and its Adam state (the old
+        full buffers are dropped: call before anything is captured or censused)."""
+        rows = self.cfg.num_rows
+        if world_size < 1 or rows % world_size:
+            raise ValueError(f"world size {world_size} does not divide the n-gram table's {rows} rows "
+                             f"(NgramConfig.bigram_rows + trigram_rows); make them a multiple of it")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if self.world_size != 1:
+            raise RuntimeError(f"NgramTable already sharded over {self.world_size} ranks")
+        per = rows // world_size
+        lo = rank * per
+        for name in ("table", "exp_avg", "exp_avg_sq"):
+            setattr(self, name, getattr(self, name)[lo:lo + per].clone())  # replaces the buffer
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.row_lo, self.rows_per_rank = lo, per
 
     # ---- ids (eager, before the forward) ----
 
@@ -114,8 +210,11 @@ class NgramTable(nn.Module):
         else:
             # device tensor on the hot path: no host sync
             torch._assert_async(((inputs >= 0) & (inputs < vocab)).all(), "token id outside vocab")
-        if 2 * inputs.numel() > self.cfg.cache_rows:
-            raise ValueError(f"batch of {inputs.numel()} tokens needs {2 * inputs.numel()} cache rows > "
+        self._check_capacity(2 * inputs.numel())
+
+    def _check_capacity(self, num_ids: int):
+        if num_ids > self.cfg.cache_rows:
+            raise ValueError(f"batch of {num_ids // 2} tokens needs {num_ids} cache rows > "
                              f"NgramConfig.cache_rows={self.cfg.cache_rows}; raise cache_rows")
 
     def _contexts(self, inputs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -146,13 +245,51 @@ class NgramTable(nn.Module):
         tri = torch.where(trigram_ok, (tok ^ prev ^ (7 * prev2)) % SIGN_ROWS, 0)
         return torch.cat([big, tri])
 
+    # ---- row pull: phase A (ids) and phase B (rows, inside slots_for) ----
+
     @torch.no_grad()
-    def slots_for(self, inputs: Tensor, ids: Tensor | None = None) -> Tensor:
-        """Fill the cache in place with this step's rows; returns ngram_slots int64 [2T]."""
+    def request_rows(self, ids: Tensor) -> RowRequest | None:
+        """Phase A (collective when W > 1, None when W == 1): send this micro-batch's unique row ids
+        [U] to their owners. Reads no table value, so it may run before an update event whose rows
+        it asks for. Host-syncs the current stream on the [W] counts (RowPrefetch runs it on a side
+        stream so that sync does not wait for a queued forward replay)."""
+        if self.world_size == 1:
+            return None
+        self._check_capacity(ids.numel())
+        wanted, inverse = ids.unique(return_inverse=True)  # [U], [2T]
+        counts = torch.bincount(wanted // self.rows_per_rank, minlength=self.world_size)  # [W]
+        recv_counts = _exchange_counts(counts, self.group)
+        send_counts = counts.tolist()
+        served, work = _exchange(wanted, send_counts, recv_counts, self.group, async_op=True)
+        return RowRequest(ids=ids, wanted=wanted, inverse=inverse, send_counts=send_counts,
+                          recv_counts=recv_counts, served=served, work=work)
+
+    def _pull_rows(self, request: RowRequest) -> Tensor:
+        """Phase B (collective): owners send the requested rows -> [U, R] in `wanted` order."""
+        if request.work is not None:
+            request.work.wait()  # the current stream waits for the id exchange
+            request.work = None
+        payload = self.table[request.served - self.row_lo]  # [Q, R] from this rank's slice
+        rows, _ = _exchange(payload, request.recv_counts, request.send_counts, self.group)
+        return rows  # [U, R]
+
+    @torch.no_grad()
+    def slots_for(self, inputs: Tensor, ids: Tensor | None = None,
+                  request: RowRequest | None = None) -> Tensor:
+        """Fill cache[:2T] in place with this micro-batch's rows (phase B; phase A too when no
+        `request` is given); returns ngram_slots int64 [2T]. Collective when W > 1."""
         ids = self.row_ids(inputs) if ids is None else ids
         n = ids.numel()
+        self._check_capacity(n)
         self.cache_ids[:n].copy_(ids)
-        self.cache[:n].copy_(self.table[ids])
+        if self.world_size == 1:
+            self.cache[:n].copy_(self.table[ids])
+        else:
+            if request is None:
+                request = self.request_rows(ids)
+            elif request.ids is not ids:
+                raise RuntimeError("slots_for: the row request was made for other ids (prefetch order)")
+            self.cache[:n].copy_(self._pull_rows(request)[request.inverse])
         slots = torch.arange(n, device=ids.device, dtype=torch.int64)
         return slots * SIGN_ROWS + self.sign_ids(inputs)
 
@@ -168,7 +305,8 @@ class NgramTable(nn.Module):
         return sink
 
     def gather(self, ngram_slots: Tensor, sink: Tensor | None = None) -> Tensor:
-        """[2T] packed slots (+ sink [2T, R]) -> [T, R]: signed bigram row + signed trigram row."""
+        """[2T] packed slots (+ sink [2T, R]) -> [T, R]: signed bigram row + signed trigram row.
+        Tensor ops only (runs inside the compiled, captured forward)."""
         rows = self.cache[ngram_slots // SIGN_ROWS]  # [2T, R]
         if sink is not None:
             rows = rows + sink
@@ -185,8 +323,8 @@ class NgramTable(nn.Module):
         return (step + 1) % self.cfg.cycle == 0
 
     def hold(self, ngram_grad: Tensor, ids: Tensor):
-        """Keep one step's sink gradient [2T, R] and its row ids [2T] until the update event. The
-        caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
+        """Keep one micro-step's sink gradient [2T, R] and its row ids [2T] until the update event.
+        The caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
         # The step graphs' ring has cycle x micro_steps slots; one more held gradient would alias a
         # live one (an explicit raise: this guard must survive python -O).
         bound = self.cfg.cycle * self.cfg.micro_steps
@@ -196,33 +334,52 @@ class NgramTable(nn.Module):
         self.held.grads.append(ngram_grad)
         self.held.ids.append(ids)
 
-    @torch.no_grad()
-    def update_event(self, step: int, lr_scale: float = 1.0):
-        """Sparse (lazy) Adam on the rows touched since the last event, then refresh the cache.
-        Same formula as torch.optim.SparseAdam (eps added to sqrt(v) before bias correction)."""
-        assert self.held.ids, f"step {step}: n-gram update event with no held gradients"
+    def _to_owners(self, rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """Collective: [U] global rows + [U, R] grads -> this rank's touched rows (local indices,
+        [U']) and their gradient summed over ranks and averaged over W ([U', R])."""
+        counts = torch.bincount(rows // self.rows_per_rank, minlength=self.world_size)  # [W]
+        recv_counts = _exchange_counts(counts, self.group)
+        send_counts = counts.tolist()
+        recv_ids, _ = _exchange(rows, send_counts, recv_counts, self.group)  # [sum recv]
+        recv_g, _ = _exchange(g, send_counts, recv_counts, self.group)  # [sum recv, R]
+        local, summed = _sum_duplicates(recv_ids - self.row_lo, recv_g)
+        return local, summed.div_(self.world_size)
+
+    def _adam_rows(self, local: Tensor, g: Tensor, lr_scale: float):
+        """SparseAdam on slice rows `local` [U] with gradient g [U, R] (eps added to sqrt(v) before
+        bias correction, as torch.optim.SparseAdam)."""
         cfg = self.cfg
-        ids = torch.cat(self.held.ids)  # [sum 2T]
-        grads = torch.cat(self.held.grads).to(self.exp_avg.dtype)
-        rows, inverse = ids.unique(return_inverse=True)  # [U]
-        g = torch.zeros(rows.numel(), cfg.dim, dtype=grads.dtype, device=grads.device)
-        g.index_add_(0, inverse, grads)  # [U, R]
-        self.num_updates += 1
         t = int(self.num_updates)
-        m = self.exp_avg[rows].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
-        v = self.exp_avg_sq[rows].mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
-        self.exp_avg[rows] = m
-        self.exp_avg_sq[rows] = v
+        m = self.exp_avg[local].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
+        v = self.exp_avg_sq[local].mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+        self.exp_avg[local] = m
+        self.exp_avg_sq[local] = v
         step_size = cfg.lr * lr_scale * (1 - cfg.beta2 ** t) ** 0.5 / (1 - cfg.beta1 ** t)
         update = m / (v.sqrt() + cfg.eps) * step_size
-        self.table[rows] = (self.table[rows].to(update.dtype) - update).to(self.table.dtype)
+        self.table[local] = (self.table[local].to(update.dtype) - update).to(self.table.dtype)
+
+    @torch.no_grad()
+    def update_event(self, step: int, lr_scale: float = 1.0):
+        """Sparse (lazy) Adam on the rows touched since the last event (collective when W > 1: the
+        row gradients go to their owners first); W == 1 then refreshes the cache in place."""
+        if not self.held.ids:
+            raise RuntimeError(f"step {step}: n-gram update event with no held gradients")
+        ids = torch.cat(self.held.ids)  # [N]
+        grads = torch.cat(self.held.grads).to(self.exp_avg.dtype)  # [N, R]
+        rows, g = _sum_duplicates(ids, grads)  # [U], [U, R]
+        if self.world_size > 1:
+            rows, g = self._to_owners(rows, g)
+        self.num_updates += 1
+        self._adam_rows(rows, g, lr_scale)
         self.held.grads.clear()
         self.held.ids.clear()
-        self.cache.copy_(self.table[self.cache_ids])
+        if self.world_size == 1:
+            self.cache.copy_(self.table[self.cache_ids])
 
     @torch.no_grad()
     def reset(self):
-        """Initial state in place: zero table (HEAD's init), Adam state, cache, sinks; nothing held."""
+        """Initial state in place: zero table slice (HEAD's init), Adam state, cache, sinks; nothing
+        held. Sharding and every address are kept."""
         for buf in (self.table, self.exp_avg, self.exp_avg_sq, self.num_updates, self.cache,
                     self.cache_ids):
             buf.zero_()

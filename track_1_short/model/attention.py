@@ -68,10 +68,25 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def document_ids(cum_seqlens: Tensor, num_tokens: int) -> Tensor:
-    """Document index of every token; padding entries (== T) never match a token."""
+@torch.library.custom_op("track_1_short::document_ids", mutates_args=())
+def _document_ids(cum_seqlens: Tensor, num_tokens: int) -> Tensor:
     pos = torch.arange(num_tokens, device=cum_seqlens.device, dtype=cum_seqlens.dtype)
-    return torch.searchsorted(cum_seqlens, pos, right=True) - 1  # [T]
+    return torch.searchsorted(cum_seqlens, pos, right=True) - 1  # [T] int64
+
+
+@_document_ids.register_fake
+def _document_ids_fake(cum_seqlens: Tensor, num_tokens: int) -> Tensor:
+    return cum_seqlens.new_empty(num_tokens, dtype=torch.int64)
+
+
+def document_ids(cum_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """Document index of every token (int64 [T]); padding entries (== T) never match a token.
+
+    A custom op on purpose: inductor then runs it as an extern kernel whose output has a fixed
+    layout. As a fused pointwise buffer it reached FlexAttention's mask_mod with a FlexibleLayout,
+    and the flex template lowering failed with "convert FlexibleLayout to FixedLayout first"
+    (torch 2.11+cu130 on the H200, tiny GPT, 1,024 paired positions; 2026-11-29)."""
+    return _document_ids(cum_seqlens, num_tokens)
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
