@@ -161,24 +161,47 @@ def _eager_reference(model, batch, slots, cfg):
     return loss.item(), dict(zip(params, grads[:-1])), grads[-1]
 
 
-def _rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+def _rel_err(a, b, floor: float = 0.0) -> float:
+    """||a - b|| / max(||b||, floor). The floor keeps a gradient that is zero up to rounding (at
+    init: x0/resid/skip lambdas behind zero-initialised projections, |g| ~ 1e-7) from turning float
+    noise into a 'relative error' of order 1 (seen on the H200, 2026-11-29: graph == compiled
+    bit for bit, both 1e-7 away from the uncompiled reference)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(max(floor, 1e-12))).item()
+
+
+def _compiled_reference(forward_model, model, batch, slots, cfg):
+    """The same compiled model launched eagerly (what --graphs off runs): the graph must match it."""
+    sink = torch.zeros_like(model.ngram_table.grad_sink(batch.inputs.numel()), requires_grad=True)
+    scratch = torch.zeros_like(model.value_embeds.grad_accum)
+    loss = training_loss(forward_model, batch.inputs, batch.targets, batch.cum_seqlens, slots, cfg,
+                         sink, scratch)
+    params = list(model.parameters())
+    grads = loss_grads(loss, params + [sink])
+    return loss.item(), dict(zip(params, grads[:-1])), grads[-1]
 
 
 @pytest.fixture(scope="module")
 def sealed():
     device = torch.device("cuda")
-    model, _, runner = _build(device)
+    model, forward_model, runner = _build(device)
     parity = []
     stage = 0
     for step in warmup_visit_plan(SCHEDULE):
         stage = _advance_yarn(model, step, stage)
         batch, slots, cfg, loss = _run_step(model, runner, step, device)
         cs = runner.captured[runner.step_keys[step]]
+        graph_grads = {p: g.clone() for p, g in cs.grads}
+        graph_ngram = cs.ngram_grad.clone()
         ref_loss, ref_grads, ref_ngram = _eager_reference(model, batch, slots, cfg)
-        errors = {name: _rel_err(g, ref_grads[p])
-                  for name, p in model.named_parameters() for q, g in cs.grads if q is p}
-        errors["ngram_sink"] = _rel_err(cs.ngram_grad, ref_ngram)
+        _, cmp_grads, cmp_ngram = _compiled_reference(forward_model, model, batch, slots, cfg)
+        floor = 1e-6 * torch.stack([g.float().norm() for g in ref_grads.values() if g is not None]).norm()
+        errors = {}
+        for name, p in model.named_parameters():
+            if p in graph_grads:  # vs the compiled step (the issue's bar) and vs uncompiled eager
+                errors[name] = _rel_err(graph_grads[p], cmp_grads[p], floor)
+                errors[name + " (uncompiled)"] = _rel_err(graph_grads[p], ref_grads[p], floor)
+        errors["ngram_sink"] = _rel_err(graph_ngram, cmp_ngram)
+        errors["ngram_sink (uncompiled)"] = _rel_err(graph_ngram, ref_ngram)
         parity.append((step, loss, ref_loss, errors))
     runner.seal()
     return model, runner, parity
