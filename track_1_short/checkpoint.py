@@ -4,6 +4,7 @@ Checkpoint layout: a directory `<run_dir>/ckpt_step<NNNNNN>/` holding a DCP chec
   "model"            every parameter and persistent buffer (n-gram table + its Adam state, YaRN
                      tables, fp8 scales, prefix table); replicated, so any world size can load it
   "optim_rank<r>"    rank r's optimizer shards (AnvilAndAdam.state_dict(): each rank its own)
+  "ngram_rank<r>"    rank r's n-gram table rows and their Adam state (only when sharded)
 plus `trainer.json` (rank 0): step, loader position, the schedule position, val curve, train time.
 Visibility: everything is written to `<dir>.tmp`; rank 0 renames it once every rank's DCP files and
 the metadata are complete, so a half-written checkpoint never looks valid (config.py's --resume
@@ -67,9 +68,7 @@ def save_checkpoint(run: "Run", steps_done: int) -> Path | None:
     if run.ctx.is_main and tmp.exists():
         shutil.rmtree(tmp)
     _barrier(run)
-    state = {"model": run.model.state_dict(),
-             f"optim_rank{run.ctx.rank}": run.optimizer.state_dict()}
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(_dcp_state(run), checkpoint_id=str(tmp))
     if run.ctx.is_main:
         write_json_atomic(tmp / "trainer.json", {
             "steps_done": steps_done, "world_size": run.ctx.world_size,
@@ -85,6 +84,21 @@ def save_checkpoint(run: "Run", steps_done: int) -> Path | None:
     return final
 
 
+SHARDED_BUFFERS = ("ngram_table.table", "ngram_table.exp_avg", "ngram_table.exp_avg_sq")
+
+
+def _dcp_state(run: "Run") -> dict:
+    """The DCP state dict: replicated model state under "model", each rank's shards under its own
+    keys (optimizer state; the n-gram table's row slice and its Adam state when sharded)."""
+    model = run.model.state_dict()
+    rank = run.ctx.rank
+    state = {f"optim_rank{rank}": run.optimizer.state_dict()}
+    if run.ctx.world_size > 1:
+        state[f"ngram_rank{rank}"] = {k: model.pop(k) for k in SHARDED_BUFFERS}
+    state["model"] = model
+    return state
+
+
 def load_checkpoint(run: "Run", path: Path) -> int:
     """Load in place; returns the number of steps already done (the first step to run)."""
     meta_path = path / "trainer.json"
@@ -95,10 +109,9 @@ def load_checkpoint(run: "Run", path: Path) -> int:
     if meta["world_size"] != run.ctx.world_size:
         raise CheckpointError(f"--resume {path}: saved on {meta['world_size']} ranks, running on "
                               f"{run.ctx.world_size}; the optimizer shards load on the same world size")
-    optim_key = f"optim_rank{run.ctx.rank}"
-    state = {"model": run.model.state_dict(), optim_key: run.optimizer.state_dict()}
+    state = _dcp_state(run)
     dcp.load(state, checkpoint_id=str(path))
-    run.optimizer.load_state_dict(state[optim_key])
+    run.optimizer.load_state_dict(state[f"optim_rank{run.ctx.rank}"])
     steps_done = int(meta["steps_done"])
     _advance_schedule_state(run, steps_done)
     run.val_curve = list(meta["val_curve"])

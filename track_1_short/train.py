@@ -34,7 +34,7 @@ from track_1_short import report
 from track_1_short.checkpoint import (CheckpointError, load_checkpoint, restore_state, save_checkpoint,
                                       snapshot_state)
 from track_1_short.config import RunConfig
-from track_1_short.data import (BatchLoader, DataError, SliceShape, load_val_tokens, make_train_loader,
+from track_1_short.data import (DataError, SliceShape, load_val_tokens, make_train_loader,
                                 num_val_slices, val_batches)
 from track_1_short.distributed import DistributedContext, destroy_distributed, init_distributed
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
@@ -45,6 +45,7 @@ from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.perf.cuda_graphs.capture_plan import describe_plan, step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
+from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
 from track_1_short.schedule import Schedule
 from track_1_short.tokenizer import mergeable_ranks
 
@@ -70,7 +71,8 @@ class Run:
     metrics: report.MetricsLog
     run_dir: Path
     prefix_table: Tensor
-    loader: BatchLoader | None = None
+    prefetch: RowPrefetch
+    loader: LookaheadLoader | None = None
     train_time_s: float = 0.0
     timer: "StepTimer" = None
     val_curve: list[dict] = field(default_factory=list)
@@ -168,6 +170,8 @@ def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
     # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
     cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, micro_steps
     model = build_model(cfg, device)
+    if ctx.world_size > 1:
+        model.ngram_table.shard(ctx.rank, ctx.world_size)  # before any capture or census
     optimizer = build_optimizer(cfg, model, ctx)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:
@@ -188,10 +192,11 @@ def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
                forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer, runner=runner,
                micro_steps=micro_steps, fwd_cfgs=forward_configs(schedule, num_steps, device),
                val_tokens=val, metrics=report.MetricsLog(run_dir, enabled=ctx.is_main),
-               run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device))
+               run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device),
+               prefetch=RowPrefetch(model.ngram_table))
 
 
-def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> BatchLoader:
+def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> LookaheadLoader:
     """The training loader; warmup uses another seed so the timed run starts on unseen order."""
     sched, cfg = run.schedule, run.cfg
     shapes = [SliceShape(s.tokens_per_rank, s.max_seq_len, s.cu_seqlens_rows) for s in cfg.schedule.stages]
@@ -201,15 +206,15 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> Ba
     def shape_for_step(step: int) -> SliceShape:
         return shapes[sched.stage_index(min(step, sched.num_steps - 1))]
 
-    return make_train_loader(cfg.data.data_dir, shape_for_step, run.ctx.rank, run.ctx.world_size,
-                             run.ctx.device, seed=cfg.data.seed + seed_offset, max_shape=largest,
-                             shuffle=cfg.data.shuffle, state=state,
-                             slices_per_step=cfg.data.slices_per_step)
+    return LookaheadLoader(make_train_loader(
+        cfg.data.data_dir, shape_for_step, run.ctx.rank, run.ctx.world_size, run.ctx.device,
+        seed=cfg.data.seed + seed_offset, max_shape=largest, shuffle=cfg.data.shuffle, state=state,
+        slices_per_step=cfg.data.slices_per_step))
 
 
 # ---------------------------------------------------------------- one step
 
-def train_step(run: Run, step: int, loader: BatchLoader) -> Tensor:
+def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
     """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
     on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps."""
     plan = run.schedule.plan(step)
@@ -219,10 +224,11 @@ def train_step(run: Run, step: int, loader: BatchLoader) -> Tensor:
     total = torch.zeros((), device=run.ctx.device)
     for micro in range(run.micro_steps):
         batch = loader.next_batch()
-        ids = ngram.row_ids(batch.inputs)  # [2T] table rows of this micro-batch
-        slots = ngram.slots_for(batch.inputs, ids)
+        # n-gram rows of this micro-batch from their owners (after the last update event)
+        ids, slots = run.prefetch.slots_for(batch.inputs)  # [2T] table rows, [2T] cache slots
         loss = run.runner.forward(step, batch, slots, fwd_cfg, micro_step=micro)
         total += loss  # loss may be graph memory: accumulate before the next replay
+        run.prefetch.issue(loader)  # next micro-batch's row-id exchange, hidden under the backward
         ngram_grad = run.runner.backward()
         last = micro == run.micro_steps - 1
         held = run.runner.hold_ngram_grad(ngram_grad, ngram.num_pending, plan.ngram_event and last)
@@ -242,12 +248,21 @@ def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
     ngram = run.model.ngram_table
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
-    for batch in val_batches(run.val_tokens, T, dcfg.val_cu_seqlens_rows, run.ctx.rank,
-                             run.ctx.world_size, device):
+    batches = list(val_batches(run.val_tokens, T, dcfg.val_cu_seqlens_rows, run.ctx.rank,
+                               run.ctx.world_size, device))
+    # Every rank runs the same number of forwards (the n-gram row pull is a collective); a rank
+    # with fewer slices repeats its last one without counting it.
+    rounds = -(-num_val_slices(run.val_tokens.size, T) // run.ctx.world_size)
+    for i in range(rounds):
+        batch = batches[min(i, len(batches) - 1)] if batches else None
+        if batch is None:
+            raise DataError(f"rank {run.ctx.rank} has no validation slice: fewer val slices than "
+                            f"ranks; lower --val-tokens-per-batch or add validation data")
         slots = ngram.slots_for(batch.inputs)
         ce = run.eval_fn(batch.inputs, batch.targets, batch.cum_seqlens, slots, ws_short, ws_long, T)
-        loss_sum += ce.double().sum()
-        count += ce.numel()
+        if i < len(batches):
+            loss_sum += ce.double().sum()
+            count += ce.numel()
     if run.ctx.world_size > 1:
         stats = torch.stack([loss_sum, count])
         torch.distributed.all_reduce(stats)
@@ -287,6 +302,7 @@ def warmup_and_capture(run: Run) -> None:
                 evaluate(run, plan.ws_short, plan.ws_long)  # compiles this window's eval graph
     finally:
         loader.close()
+        run.prefetch.reset()  # its pending request belongs to the warmup loader
     _sync(run)
     run.warmup_s = time.perf_counter() - t0
 

@@ -56,20 +56,30 @@ class LookaheadLoader:
     """Wraps a BatchLoader so the trainer can see the next micro-batch before its turn: peek()
     takes it from the loader once, next_batch() returns it (or the loader's next one). The batch
     tensors are fresh allocations owned by the caller (BatchLoader contract), so holding one early
-    is safe. Note: the loader's state_dict then counts the peeked batch as consumed."""
+    is safe. state_dict() is the resume point as if nothing had been peeked (a peeked batch is
+    handed out again by a resumed loader), so checkpoints stay exact."""
 
     def __init__(self, loader):
         self.loader = loader
         self._next = None
+        self._state_before_peek: dict | None = None
 
     def peek(self):
         if self._next is None:
+            self._state_before_peek = self.loader.state_dict()
             self._next = self.loader.next_batch()
         return self._next
 
     def next_batch(self):
         batch, self._next = self._next, None
         return batch if batch is not None else self.loader.next_batch()
+
+    def state_dict(self) -> dict:
+        return dict(self._state_before_peek) if self._next is not None else self.loader.state_dict()
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
 
     def close(self) -> None:
         self.loader.close()
