@@ -66,7 +66,9 @@ class LookaheadLoader:
 
     def peek(self):
         if self._next is None:
-            self._state_before_peek = self.loader.state_dict()
+            # resume point before the peek (loaders without state, e.g. benchmarks', have none)
+            has_state = hasattr(self.loader, "state_dict")
+            self._state_before_peek = self.loader.state_dict() if has_state else None
             self._next = self.loader.next_batch()
         return self._next
 
