@@ -101,3 +101,29 @@ def test_presets_validate():
         cfg = config_mod.preset(name)
         assert cfg.schedule.stages
     assert sum(s.num_steps for s in config_mod.preset("speedrun").schedule.stages) == 1285
+
+
+def test_embed_head_untie_at_third_stage(shard_dir, tmp_path):
+    """Facts 3: tied (embed == lm_head.T) until the first odd step of the third stage, then free."""
+    import torch
+
+    from track_1_short.distributed import init_distributed
+    from track_1_short.train import build, make_loader, train_step
+
+    cfg = micro_config(shard_dir, tmp_path, "untie")
+    a, b = cfg.schedule.stages
+    cfg.schedule = dataclasses.replace(cfg.schedule, stages=(
+        dataclasses.replace(a, num_steps=2), dataclasses.replace(b, num_steps=2),
+        dataclasses.replace(b, name="C", num_steps=4)))
+    run = build(cfg, init_distributed(60, "cpu"))
+    assert run.untie_step == 5  # stage C starts at 4; made odd (an Adam step)
+    loader = make_loader(run)
+    try:
+        for step in range(8):
+            train_step(run, step, loader)
+            tied = torch.equal(run.model.embed.weight, run.model.lm_head.T)
+            # the untie step still updates tied; the next Adam step (7) moves them apart
+            assert tied == (step < 7), f"step {step}: tied={tied}"
+            assert (run.optimizer.tied is None) == (step >= 5)
+    finally:
+        loader.close()

@@ -72,6 +72,7 @@ class Run:
     run_dir: Path
     prefix_table: Tensor
     prefetch: RowPrefetch
+    untie_step: int | None  # embed / lm_head untie after this step's update (None: never)
     loader: LookaheadLoader | None = None
     train_time_s: float = 0.0
     timer: "StepTimer" = None
@@ -193,7 +194,16 @@ def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
                micro_steps=micro_steps, fwd_cfgs=forward_configs(schedule, num_steps, device),
                val_tokens=val, metrics=report.MetricsLog(run_dir, enabled=ctx.is_main),
                run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device),
-               prefetch=RowPrefetch(model.ngram_table))
+               prefetch=RowPrefetch(model.ngram_table), untie_step=untie_step(cfg, schedule))
+
+
+def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
+    """Facts 3: embed and lm_head untie at the start of the third stage, made odd so it is an Adam
+    step (847 in the speedrun). None with fewer than 3 stages, and for the AdamW baseline, whose
+    embed and lm_head are separate parameters from the start."""
+    if cfg.train.optimizer == "adamw" or len(schedule.stage_starts) < 3:
+        return None
+    return schedule.stage_starts[2] | 1
 
 
 def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> LookaheadLoader:
@@ -235,6 +245,8 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
         ngram.hold(held, ids)
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     run.optimizer.step(step, plan.lr_mul, plan.momentum)
+    if step == run.untie_step:
+        run.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
     if plan.ngram_event:
         ngram.update_event(step, plan.lr_mul)  # sparse Adam on the held rows, cache refreshed
     return total / plan.tokens_per_rank
