@@ -11,10 +11,11 @@ Run: `.venv/bin/python -m pytest tests/test_anvil_distributed.py -q`.
 
 import os
 import re
-import socket
 import time
 
 import pytest
+
+from tests.mp_utils import free_port, set_rank_env
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -82,19 +83,12 @@ def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_rank_env(rank, world_size, port)
     torch.set_num_threads(1)
     ctx = init_distributed(timeout_s=60, device_type="cpu")
     assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, world_size, "gloo")
     torch.save(train(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
     destroy_distributed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +104,7 @@ def single_process_result():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_matches_single_process(world_size, single_process_result, tmp_path):
-    mp.spawn(_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size)
+    mp.spawn(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
     start = Net()
     for rank in range(world_size):
         result = torch.load(tmp_path / f"rank{rank}.pt")
@@ -123,8 +117,7 @@ def test_sharded_matches_single_process(world_size, single_process_result, tmp_p
 
 
 def _liveness_worker(rank: int, port: int, out_dir: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_rank_env(rank, 2, port)
     ctx = init_distributed(timeout_s=30, device_type="cpu")
     if rank == 1:
         time.sleep(2.5)  # never reaches the barrier (rank 0 gives up after 1 s)
@@ -139,7 +132,7 @@ def _liveness_worker(rank: int, port: int, out_dir: str):
 
 
 def test_check_ranks_alive_names_the_missing_rank(tmp_path):
-    mp.spawn(_liveness_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_liveness_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     message = (tmp_path / "liveness.txt").read_text()
     assert re.search(r"Ranks? 1 failed to pass monitoredBarrier", message), message
 

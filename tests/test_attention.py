@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from track_1_short.model.attention import (attention, document_ids, flex_attention, pair_heads,
                                            reference_attention, resolve_backend, unpair_heads)

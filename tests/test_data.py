@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from track_1_short.data import (BOS_ID, HEADER_BYTES, REFERENCE_WORLD_SIZE, BatchLoader, DataError,
                                 SliceShape, TrainStream, list_shards, load_val_tokens,
                                 make_train_loader, read_shard, val_batches, write_shard)
-from tests.conftest import make_docs
 
 CPU = torch.device("cpu")
 

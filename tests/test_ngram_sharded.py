@@ -17,13 +17,14 @@ Run: `.venv/bin/python -m pytest tests/test_ngram_sharded.py -q`.
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 from dataclasses import dataclass
 
 import pytest
+
+from tests.mp_utils import free_port, set_rank_env
 import torch
 import torch.multiprocessing as mp
 from torch import nn
@@ -136,18 +137,11 @@ def train(rank: int, world_size: int, group=None) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, out_dir: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_rank_env(rank, world_size, port)
     torch.set_num_threads(1)
     init_distributed(timeout_s=60, device_type="cpu")
     torch.save(train(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
     destroy_distributed()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +169,7 @@ def test_single_rank_reference_moves(single):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_matches_single_rank(world_size, single, tmp_path):
-    mp.spawn(_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size)
+    mp.spawn(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     per = 192 // world_size
     for r, res in enumerate(results):

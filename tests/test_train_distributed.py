@@ -4,25 +4,18 @@ and per-rank checkpoint shards. Spawns 2 processes, ~1 min on 2 cores;
 run: pytest tests/test_train_distributed.py"""
 
 import json
-import os
-import socket
 
 import pytest
+
+from tests.mp_utils import free_port, set_rank_env
 import torch.multiprocessing as mp
 
 from tests.test_train import micro_config
 from track_1_short.train import train
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, data_dir, runs_dir, run_id: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_rank_env(rank, world, port)
     cfg = micro_config(data_dir, runs_dir, run_id, timeout_s=120.0)
     if train(cfg) != 0:
         raise SystemExit(f"rank {rank} failed")
@@ -30,7 +23,7 @@ def _worker(rank: int, world: int, port: int, data_dir, runs_dir, run_id: str):
 
 def test_two_ranks_match_one(shard_dir, tmp_path):
     assert train(micro_config(shard_dir, tmp_path, "one")) == 0
-    mp.start_processes(_worker, args=(2, _free_port(), shard_dir, tmp_path, "two"), nprocs=2,
+    mp.start_processes(_worker, args=(2, free_port(), shard_dir, tmp_path, "two"), nprocs=2,
                        join=True, start_method="spawn")
     one = json.loads((tmp_path / "one" / "summary.json").read_text())
     two = json.loads((tmp_path / "two" / "summary.json").read_text())

@@ -100,7 +100,8 @@ def plot_run(run_dir: Path, records: list[dict] | None = None,
     for x_key, x_label, name in (("step", "step", "loss_vs_step.png"),
                                  ("train_time_s", "training time (s)", "loss_vs_time.png")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r[x_key] for r in train], [r["loss"] for r in train], lw=0.8, label="train loss")
+        ax.plot([r[x_key] for r in train], [r["loss"] for r in train], lw=0.8,
+                label="train objective (CE + MTP + prefix)")
         if val:
             ax.plot([r[x_key] for r in val], [r["val_loss"] for r in val], "o-", label="val loss")
         ax.set_xlabel(x_label)

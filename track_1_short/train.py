@@ -17,9 +17,6 @@ optimizer.step (ANVIL every step, Adam every 2nd) -> n-gram update event.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
