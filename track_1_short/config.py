@@ -8,7 +8,8 @@ The resolved config is written into the run's summary and log.
 
 Presets:
   speedrun   the four stages of DESIGN section 3 (1285 steps, per-rank shapes of 8 ranks; on fewer
-             GPUs each rank runs 8/world_size micro-steps), graphs on, compiled, fp8 on CUDA
+             GPUs each rank runs 8/world_size micro-steps), graphs on, compiled (bf16: the fp8
+             path is an interface only so far; --fp8 warns and runs bf16)
   small-gpu  the same stages and keys with fewer steps, so it finishes on one H200 in minutes
   cpu-tiny   a 6-layer d=128 model with the real GPT-2 vocab on the embedded corpus, eager, two
              stages (one window change), one slice per step, for CPU-only machines and CI

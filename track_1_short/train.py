@@ -129,6 +129,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> GPT:
             if name in BF16_PARAMS:
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
+    model.fp8.resolve(device)  # warns (never silently) while the fp8 path is not implemented
     return model
 
 

@@ -1,0 +1,48 @@
+"""Config validation: every rule of config.py's dataclasses raises ValueError naming the setting.
+CPU only, < 1 s; run: pytest tests/test_config.py"""
+
+import dataclasses
+
+import pytest
+
+from track_1_short import config as config_mod
+from track_1_short.config import DataConfig, TrainConfig
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(slices_per_step=0), "slices_per_step"),
+    (dict(val_tokens_per_batch=64), "--val-tokens-per-batch"),
+])
+def test_data_config_rules(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        DataConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(optimizer="sgd"), "--optimizer"),
+    (dict(device="tpu"), "--device"),
+    (dict(max_steps=0), "--max-steps"),
+    (dict(save_every=-1), "--save-every"),
+    (dict(log_every=0), "--log-every"),
+])
+def test_train_config_rules(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(**kwargs)
+
+
+def test_run_config_rules():
+    cfg = config_mod.preset("cpu-tiny")
+    with pytest.raises(ValueError, match="--graphs on/check needs the compiled model"):
+        dataclasses.replace(cfg, graphs=dataclasses.replace(cfg.graphs, mode="on"))
+    small_model = dataclasses.replace(cfg.model, max_position=256)
+    with pytest.raises(ValueError, match="max_position"):
+        dataclasses.replace(cfg, model=small_model)
+
+
+def test_cli_overrides_reach_the_tree():
+    cfg = config_mod.parse(["--preset", "small-gpu", "--graphs", "check", "--check-fraction", "0.5",
+                            "--no-fp8", "--max-steps", "7", "--data-seed", "3", "--val-every", "5"])
+    assert cfg.graphs.mode == "check" and cfg.graphs.check_fraction == 0.5
+    assert cfg.model.fp8.enabled is False and cfg.train.max_steps == 7
+    assert cfg.data.seed == 3 and cfg.schedule.val_every_steps == 5
+    assert [s.tokens_per_rank for s in cfg.schedule.stages] == [16384, 32768, 49152, 49152]
