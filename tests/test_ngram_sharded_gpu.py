@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.test_ngram_sharded import (CYCLE, DIM, SLICES, STEPS, T, _cfg, _free_port, _Loader)
+from tests.mp_utils import free_port, set_rank_env
+from tests.test_ngram_sharded import CYCLE, DIM, SLICES, STEPS, T, _cfg, _Loader
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.ngram_table import NgramTable
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
@@ -64,8 +65,7 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
 
 
 def _worker(rank: int, port: int, out_dir: str):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    set_rank_env(rank, 2, port)
     ctx = init_distributed(timeout_s=120, device_type="cuda")
     torch.save(train_ngram(rank, 2, ctx.device), os.path.join(out_dir, f"rank{rank}.pt"))
     destroy_distributed()
@@ -73,7 +73,7 @@ def _worker(rank: int, port: int, out_dir: str):
 
 def test_nccl_sharded_matches_single_rank(tmp_path):
     ref = train_ngram(0, 1, torch.device("cpu"))
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     per = ref["table"].shape[0] // 2
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
