@@ -54,6 +54,7 @@ class TrainConfig:
     seed: int = 1337  # model init (identical on every rank)
     device: str = "auto"  # auto: cuda if available, else cpu
     compile: bool = True  # torch.compile(fullgraph=True, dynamic=False) the model
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": CPU tests of the graph path)
     optimizer: str = "anvil"  # anvil: AnvilAndAdam; adamw: torch.optim.AdamW (baseline)
     adamw_lr: float = 3e-3
     max_steps: int | None = None  # stop after this many steps (default: the whole schedule)

@@ -158,7 +158,9 @@ def forward_configs(schedule: Schedule, num_steps: int, device: torch.device) ->
     return out
 
 
-def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
+def build(cfg: RunConfig, ctx: DistributedContext, graph_backend=None) -> Run:
+    """graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
+    lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     device = _device(cfg, ctx)
     schedule = Schedule(cfg.schedule)
     num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
@@ -174,14 +176,18 @@ def build(cfg: RunConfig, ctx: DistributedContext) -> Run:
     optimizer = build_optimizer(cfg, model, ctx)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:
-        forward_fn = torch.compile(model, fullgraph=True, dynamic=False)
-        eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False)
+        # Every key (and its no-grad self-check, and each validation window) is a recompile of the
+        # same code; past dynamo's default limit (8) it would silently run eager. HEAD uses 64.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        backend = cfg.train.compile_backend
+        forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+        eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False, backend=backend)
     keys = step_keys(schedule, num_steps=num_steps)
     runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
                               max_step_tokens=max(k.tokens for k in keys),
                               adam_every=getattr(optimizer, "adam_every", cfg.optim.adam_every),
-                              grad_accum_steps=micro_steps, device=device,
+                              grad_accum_steps=micro_steps, device=device, backend=graph_backend,
                               ngram_ring_slots=cfg.schedule.ngram_cycle * micro_steps)
     run_id = cfg.train.run_id or f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = cfg.train.runs_dir / run_id
@@ -400,11 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     return train(config_mod.parse(argv))
 
 
-def train(cfg: RunConfig) -> int:
-    """The whole run in its phases; returns the process exit code (2: bad data or checkpoint)."""
+def train(cfg: RunConfig, graph_backend=None) -> int:
+    """The whole run in its phases; returns the process exit code (2: bad data or checkpoint).
+    graph_backend: see build()."""
     ctx = init_distributed(cfg.train.timeout_s, None if cfg.train.device == "auto" else cfg.train.device)
     try:
-        run = build(cfg, ctx)
+        run = build(cfg, ctx, graph_backend)
         if ctx.is_main:
             print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
                   f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
