@@ -14,3 +14,31 @@ def set_rank_env(rank: int, world_size: int, port: int) -> None:
     """The variables torchrun sets, so init_distributed() sees rank `rank` of `world_size`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def gloo_worker(rank: int, world_size: int, port: int, out_dir: str, fn) -> None:
+    """mp.spawn target: rank `rank` of a gloo group runs fn(rank, world_size) on one thread and
+    saves its result to out_dir/rank<r>.pt (fn must be a module-level function: it is pickled)."""
+    import torch
+
+    from track_1_short.distributed import destroy_distributed, init_distributed
+
+    set_rank_env(rank, world_size, port)
+    torch.set_num_threads(1)
+    ctx = init_distributed(timeout_s=60, device_type="cpu")
+    if (ctx.rank, ctx.world_size, ctx.backend) != (rank, world_size, "gloo"):
+        raise RuntimeError(f"init_distributed gave {ctx}, expected rank {rank} of {world_size} on gloo")
+    torch.save(fn(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy_distributed()
+
+
+def single_thread(fn, *args):
+    """fn(*args) on one intra-op thread (tiny shapes: extra threads only contend on 2 cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.mp_utils import free_port, set_rank_env
+from tests.mp_utils import free_port, gloo_worker, set_rank_env, single_thread
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -82,29 +82,16 @@ def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str):
-    set_rank_env(rank, world_size, port)
-    torch.set_num_threads(1)
-    ctx = init_distributed(timeout_s=60, device_type="cpu")
-    assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, world_size, "gloo")
-    torch.save(train(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")
 def single_process_result():
-    # tiny shapes: extra threads only contend (seconds instead of 0.1 s on a loaded 2-core box)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train(0, 1)
-    finally:
-        torch.set_num_threads(threads)
+    return single_thread(train, 0, 1)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_matches_single_process(world_size, single_process_result, tmp_path):
-    mp.spawn(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
+    mp.spawn(gloo_worker, args=(world_size, free_port(), str(tmp_path), train), nprocs=world_size)
     start = Net()
     for rank in range(world_size):
         result = torch.load(tmp_path / f"rank{rank}.pt")

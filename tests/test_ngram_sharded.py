@@ -16,7 +16,6 @@ Run: `.venv/bin/python -m pytest tests/test_ngram_sharded.py -q`.
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,12 +23,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.mp_utils import free_port, set_rank_env
+from tests.mp_utils import free_port, gloo_worker, single_thread
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.ngram_table import BOS_ID, NgramConfig, NgramTable
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
@@ -136,22 +134,11 @@ def train(rank: int, world_size: int, group=None) -> dict:
     return out
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str):
-    set_rank_env(rank, world_size, port)
-    torch.set_num_threads(1)
-    init_distributed(timeout_s=60, device_type="cpu")
-    torch.save(train(rank, world_size), os.path.join(out_dir, f"rank{rank}.pt"))
-    destroy_distributed()
 
 
 @pytest.fixture(scope="module")
 def single():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train(0, 1)
-    finally:
-        torch.set_num_threads(threads)
+    return single_thread(train, 0, 1)
 
 
 def _assert_addresses_stable(result: dict, tag: str):
@@ -169,7 +156,7 @@ def test_single_rank_reference_moves(single):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_matches_single_rank(world_size, single, tmp_path):
-    mp.spawn(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size)
+    mp.spawn(gloo_worker, args=(world_size, free_port(), str(tmp_path), train), nprocs=world_size)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     per = 192 // world_size
     for r, res in enumerate(results):
