@@ -39,30 +39,20 @@ from track_1_short.data import BOS_ID, GPT2_VOCAB, Batch
 from track_1_short.model.gpt import ForwardScheduleConfig, GPTConfig
 from track_1_short.ngram_table import NgramConfig
 from track_1_short.report import git_revision, write_json_atomic
-from track_1_short.schedule import SPEEDRUN_STAGES, StageConfig
+from track_1_short.schedule import SPEEDRUN_STAGES
 
 H200_DENSE_BF16_TFLOPS = 790.0  # issue's MFU denominator
 DOC_MEDIAN_TOKENS = 400  # lognormal(ln 400, 1.0): mean ~660 GPT-2 tokens, about FineWeb's
 DOC_SIGMA = 1.0
 SMOKE_VOCAB = 512
 
-# --smoke: four tiny stages with the speedrun's structure (growing T and windows, shrinking MTP)
-SMOKE_STAGES = (
-    StageConfig(name="A", num_steps=1, tokens_per_rank=256, ws_short=128, ws_long=256,
-                max_seq_len=128, cu_seqlens_rows=8, mtp_weights_start=(1.0, 0.5, 0.25),
-                mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight_start=0.25,
-                prefix_weight_end=0.25, lr_mul=1.0),
-    StageConfig(name="B", num_steps=1, tokens_per_rank=384, ws_short=128, ws_long=384,
-                max_seq_len=256, cu_seqlens_rows=8, mtp_weights_start=(1.0, 0.5),
-                mtp_weights_end=(1.0, 0.0), prefix_weight_start=0.25, prefix_weight_end=0.0,
-                lr_mul=1.0),
-    StageConfig(name="C", num_steps=1, tokens_per_rank=512, ws_short=256, ws_long=512,
-                max_seq_len=256, cu_seqlens_rows=8, mtp_weights_start=(1.0,),
-                mtp_weights_end=(1.0,), prefix_weight_start=0.0, prefix_weight_end=0.0, lr_mul=1.0),
-    StageConfig(name="D", num_steps=1, tokens_per_rank=512, ws_short=256, ws_long=640,
-                max_seq_len=256, cu_seqlens_rows=8, mtp_weights_start=(1.0,),
-                mtp_weights_end=(1.0,), prefix_weight_start=0.0, prefix_weight_end=0.0, lr_mul=1.0),
-)
+# --smoke: the speedrun's four stages (MTP, prefix and lr structure kept) at tiny shapes:
+# (tokens_per_rank, ws_short, ws_long, max_seq_len) per stage, one step each.
+SMOKE_SHAPES = ((256, 128, 256, 128), (384, 128, 384, 256), (512, 256, 512, 256), (512, 256, 640, 256))
+SMOKE_STAGES = tuple(
+    dataclasses.replace(stage, num_steps=1, tokens_per_rank=t, ws_short=ws, ws_long=wl,
+                        max_seq_len=msl, cu_seqlens_rows=8)
+    for stage, (t, ws, wl, msl) in zip(SPEEDRUN_STAGES, SMOKE_SHAPES))
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -313,8 +313,7 @@ def warmup_and_capture(run: Run) -> None:
             loss = train_step(run, step, loader)
             if run.ctx.is_main:
                 print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f}", flush=True)
-            evaluate_probe = plan.validate
-            if evaluate_probe:
+            if plan.validate:
                 evaluate(run, plan.ws_short, plan.ws_long)  # compiles this window's eval graph
     finally:
         loader.close()
@@ -330,7 +329,6 @@ def timed_run(run: Run, start_step: int) -> None:
                file=sys.stdout, mininterval=1.0)
     _sync(run)
     clock = time.perf_counter()
-    losses: dict[int, Tensor] = {}
     for step in bar:
         plan = run.schedule.plan(step)
         if plan.validate and step > start_step:
@@ -340,10 +338,10 @@ def timed_run(run: Run, start_step: int) -> None:
             _sync(run)
             clock = time.perf_counter()
         run.timer.start(step)
-        losses[step] = train_step(run, step, run.loader)
+        loss_t = train_step(run, step, run.loader)  # read only at log steps (a host sync)
         run.timer.stop(step)
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
-            loss = float(losses[step])
+            loss = float(loss_t)
             elapsed = run.train_time_s + time.perf_counter() - clock
             tokens = (step + 1 - start_step) * run.micro_steps * plan.tokens_per_rank
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
@@ -396,11 +394,6 @@ def summarize(run: Run, start_step: int) -> dict:
     return summary
 
 
-def reset_to_initial(run: Run, initial: dict) -> None:
-    """Restore the initial state in place after warmup (parameters, optimizer, tables, YaRN)."""
-    restore_state(run, initial)
-
-
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: flags -> RunConfig (bad flags exit 2) -> train()."""
     return train(config_mod.parse(argv))
@@ -420,7 +413,7 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
         if cfg.train.compile or cfg.graphs.mode != "off":
             warmup_and_capture(run)
             census_before = baked_addresses.take_census(run.model, run.runner)
-            reset_to_initial(run, initial)
+            restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
             baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
         elif ctx.is_main:
             print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
