@@ -124,7 +124,9 @@ def main(argv=None):
             times["odd" if opt.adam_step_due(step) else "even"].append(ms)
 
     comm_ms = measure_comms(opt, timer, args.steps) if ctx.world_size > 1 else None
+    comm_even_ms = measure_comms(opt, timer, args.steps, adam=False) if ctx.world_size > 1 else None
     math_ms = measure_anvil_math(opt, timer, args.steps)
+    step_ms = {k: stats_ms(v) for k, v in times.items() if v}
     result = dict(
         command=" ".join([sys.executable, *sys.argv]),
         machine=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -133,9 +135,11 @@ def main(argv=None):
         shapes={n: list(p.shape) for n, p in model.named_parameters()},
         config=dict(tiny=args.tiny, compile=args.compile, tied=not args.untied, dtype=str(dtype),
                     warmup=args.warmup, steps=args.steps),
-        step_ms={k: stats_ms(v) for k, v in times.items() if v},
+        step_ms=step_ms,
         comm_only_odd_step_ms=comm_ms,
+        comm_only_even_step_ms=comm_even_ms,
         anvil_math_ms=math_ms,
+        comm_hidden_even_step=hidden_comm(step_ms.get("even"), comm_even_ms, math_ms),
     )
     if ctx.is_main:
         with open(args.out, "w") as f:
@@ -144,22 +148,23 @@ def main(argv=None):
     destroy_distributed()
 
 
-def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:
-    """The collectives of one odd step alone (launched in the optimizer's order, then waited)."""
+def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int, adam: bool = True) -> dict:
+    """The collectives of one step alone, launched in the optimizer's order, then waited: an odd
+    step's (banks + Adam) with adam=True, an even step's (banks only) with adam=False."""
     import torch.distributed as dist
     from track_1_short.optim.anvil import _reduce_scatter
 
     def run():
         works = [_reduce_scatter(b.grad, b.view, op=dist.ReduceOp.AVG, group=opt.group, async_op=True)
                  for b in opt.banks]
-        for a in opt.adam_order:
+        for a in (opt.adam_order if adam else ()):
             if a.sharded:
                 src = a.grad_in if a.grad_in is not None else a.param.data
                 works.append(_reduce_scatter(a.grad, src, op=dist.ReduceOp.AVG, group=opt.group,
                                              async_op=True))
             else:
                 works.append(dist.all_reduce(a.exp_avg.clone(), group=opt.group, async_op=True))
-        for a in opt.adam_order:
+        for a in (opt.adam_order if adam else ()):
             if a.sharded:
                 works.append(dist.all_gather_into_tensor(a.target, a.shard, group=opt.group, async_op=True))
         for b in opt.banks:
@@ -170,6 +175,20 @@ def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:
     for _ in range(3):
         run()
     return stats_ms([timer(run) for _ in range(reps)])
+
+
+def hidden_comm(step: dict | None, comm: dict | None, math: dict) -> dict | None:
+    """How much of an even (ANVIL-only) step's communication overlaps its math, from medians:
+    hidden = comm + math - step (clipped to [0, comm]); math = the per-bank shard math summed.
+    An estimate: it assumes comm and math cost the same overlapped as alone."""
+    if step is None or comm is None:
+        return None
+    math_ms = sum(bank["median"] for bank in math.values())
+    hidden = min(max(comm["median"] + math_ms - step["median"], 0.0), comm["median"])
+    return dict(formula="hidden = clip(comm_only + sum(anvil_math) - step, 0, comm_only), medians",
+                step_ms=step["median"], comm_only_ms=comm["median"], math_ms=math_ms,
+                hidden_ms=hidden, hidden_fraction=hidden / comm["median"] if comm["median"] else None,
+                exposed_ms=comm["median"] - hidden)
 
 
 def measure_anvil_math(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:

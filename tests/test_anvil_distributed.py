@@ -41,14 +41,14 @@ class Net(nn.Module):
         self.mlp_bank = r(LAYERS, 2, 2 * DIM, DIM)
         self.lm_head = r(DIM, VOCAB)
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.embed.weight = nn.Parameter(self.lm_head.data.T.clone())
+        self.embed.weight = nn.Parameter(self.lm_head.data.T.contiguous())
         self.value_embeds = nn.Embedding(2 * VOCAB + 2, DIM)
         self.value_embeds.weight = r(2 * VOCAB + 2, DIM)
         self.scalars = nn.Parameter(torch.tensor([0.5, 0.7, 0.9]))
         self.smear_gate = r(1, 4)
 
     def forward(self, ids, targets):
-        pos = torch.arange(ids.size(1)) % 2
+        pos = torch.arange(ids.size(1), device=ids.device) % 2
         x = self.embed(ids) + self.scalars[0] * self.value_embeds(ids + VOCAB * pos)  # [B, T, D]
         for i in range(LAYERS):
             x = x + self.scalars[1] * torch.tanh(x @ self.vo_bank[i].T)
@@ -59,11 +59,12 @@ class Net(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    """STEPS optimizer steps; this rank's gradient comes from its slice of each global batch."""
-    model = Net()
+def train(rank: int, world_size: int, device: str = "cpu", **anvil: str) -> dict[str, torch.Tensor]:
+    """STEPS optimizer steps; this rank's gradient comes from its slice of each global batch.
+    `anvil`: AnvilConfig overrides. Returns the parameters on the CPU."""
+    model = Net().to(device)
     names = {p: n for n, p in model.named_parameters()}
-    opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig(), names=names,
+    opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig(**anvil), names=names,
                        tied_embed_head=(model.embed.weight, model.lm_head))
     ve = model.value_embeds.weight
     grad_accum = torch.zeros_like(ve)  # stands in for ValueEmbedPull.grad_accum
@@ -72,14 +73,14 @@ def train(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen)
-        mine = ids[rank * per_rank:(rank + 1) * per_rank]
+        mine = ids[rank * per_rank:(rank + 1) * per_rank].to(device)
         model(mine[:, :-1], mine[:, 1:]).backward()
         grad_accum.add_(ve.grad)
         ve.grad = None
         opt.step(step, lr_scale=1.0 - 0.1 * step)
         if step == UNTIE_STEP:
             opt.untie_embed_head()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 
@@ -131,6 +132,24 @@ def test_single_process_fallback(monkeypatch):
     destroy_distributed()
     with pytest.raises(ValueError, match="timeout_s"):
         init_distributed(timeout_s=0)
+
+
+def _strided_embed_worker(rank: int, world_size: int):
+    model = Net()
+    model.embed.weight = nn.Parameter(model.lm_head.data.T.clone())  # clone keeps the transpose
+    try:
+        AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig(),
+                     names={p: n for n, p in model.named_parameters()})
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_strided_sharded_parameter_is_refused(tmp_path):
+    """NCCL cannot all_gather into a strided tensor (gloo can): refuse it at construction."""
+    mp.spawn(gloo_worker, args=(2, free_port(), str(tmp_path), _strided_embed_worker), nprocs=2)
+    message = torch.load(tmp_path / "rank0.pt")
+    assert "sharded Adam parameter embed.weight" in message and "contiguous" in message, message
 
 
 def test_grad_accum_steps():

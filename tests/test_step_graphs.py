@@ -111,7 +111,7 @@ class FakeGPT(nn.Module):
         doc = torch.searchsorted(cum_seqlens, torch.arange(T, dtype=cum_seqlens.dtype), right=True)
         x = x * (1 + 0.01 * doc.unsqueeze(1).float()) * self.yarn.table
         h = torch.tanh(x @ self.bank_qk * (10 * self.yarn_wide.attn_scale))
-        h = torch.relu(h @ self.bank_mlp) * self.gates[0] + x * self.gates[1]
+        h = torch.relu(h @ self.mlp_weight()) * self.gates[0] + x * self.gates[1]
         logits = (h @ self.embed.T) * self.gates[2] * self.fp8_scale  # [T, V]
         if cfg.sampled_loss is not None:
             logits = logits + 0.1 * cfg.sampled_loss.weights.sum()
@@ -121,20 +121,53 @@ class FakeGPT(nn.Module):
             loss = loss + cfg.mtp_weights[k] * torch.roll(ce, -k)
         return loss + cfg.prefix_weight * ce  # [T]
 
+    def mlp_weight(self):
+        return self.bank_mlp
+
 
 class BakingGPT(FakeGPT):
-    """Stands in for a graph that baked an input's value: while autograd is on (warm iterations,
-    capture, replays) it uses the targets of its first call; the self-check's eager no-grad
-    forward reads the live buffer."""
+    """Stands in for a graph that baked an input's value: inside a "graph" (the stand-in capture and
+    its replays, see BakingBackend) it uses the targets of its first call; the self-check's eager
+    forward, outside any graph, reads the live buffer."""
 
     baked = None
+    in_graph = False
 
     def forward(self, inputs, targets, *args, **kwargs):
-        if torch.is_grad_enabled():
+        if self.in_graph:
             if self.baked is None:
                 self.baked = targets.clone()
             targets = self.baked
         return super().forward(inputs, targets, *args, **kwargs)
+
+
+class GradBakingGPT(FakeGPT):
+    """Stands in for a graph whose backward is wrong while its forward is right (measured on torch
+    2.11: varlen_attn replays wrong gradients): inside a "graph" the gradient of bank_mlp is halved
+    (w*0.5 + (w*0.5).detach() has w's value and half its gradient)."""
+
+    in_graph = False
+
+    def mlp_weight(self):
+        w = self.bank_mlp
+        return w * 0.5 + (w * 0.5).detach() if self.in_graph else w
+
+
+class BakingBackend(RecordingGraphBackend):
+    """Marks the model as inside a graph while the captured forward runs (capture and replays)."""
+
+    def __init__(self, model: BakingGPT):
+        self.model = model
+
+    def capture_pair(self, forward, backward, loss_fn, leaves, **kw):
+        def in_graph_loss():
+            self.model.in_graph = True
+            try:
+                return loss_fn()
+            finally:
+                self.model.in_graph = False
+
+        return super().capture_pair(forward, backward, in_graph_loss, leaves, **kw)
 
 
 class FakeValueEmbeds:
@@ -197,7 +230,9 @@ class Harness:
             config, model=self.model, optimizer=FakeOptimizer(self.model), step_keys=self.keys,
             ngram_table=self.model.ngram, value_embeds=self.value_embeds,
             max_step_tokens=MAX_TOKENS, adam_every=TINY.cfg.adam_every,
-            grad_accum_steps=grad_accum_steps, backend=RecordingGraphBackend())
+            grad_accum_steps=grad_accum_steps,
+            backend=(BakingBackend(self.model) if hasattr(model_cls, "in_graph")
+                     else RecordingGraphBackend()))
 
     def step(self, step: int, seed: int | None = None, micro_step: int = 0, **batch_kw):
         """One train_step's runner calls; returns (loss value, held n-gram gradient)."""
@@ -360,6 +395,21 @@ def test_self_check_catches_a_baked_value():
     h.step(0)
     with pytest.raises(StepGraphError, match=r"step 1: step graph .* replay loss .* != eager"):
         h.step(1)
+
+
+def test_self_check_catches_wrong_gradients_with_a_right_loss():
+    h = Harness(model_cls=GradBakingGPT)
+    h.step(0)
+    with pytest.raises(StepGraphError, match=r"step 1: step graph .* gradient of bank_mlp .*"
+                                             r"relative error 0\.5"):
+        h.step(1)
+
+
+def test_self_check_records_gradient_error():
+    h = Harness()
+    h.warmup_and_seal()
+    errors = [row["max_grad_rel_err"] for row in h.runner.capture_report()]
+    assert errors and all(e is not None and e < 1e-6 for e in errors), errors
 
 
 def test_self_check_passes_and_check_mode_samples_timed_steps():

@@ -23,8 +23,9 @@ def micro_config(data_dir: Path, runs_dir: Path, run_id: str, **train_kw) -> Run
                   mtp_weights_end=(1.0, 0.0), lr_mul=1.0)
     stages = (StageConfig(name="A", num_steps=6, ws_short=128, ws_long=128, mtp_weights_start=(1.0, 0.5),
                           prefix_weight_start=0.25, **common),
+              # B's steps are larger (as in the speedrun), so a batch of the wrong stage is caught
               StageConfig(name="B", num_steps=6, ws_short=128, ws_long=256, mtp_weights_start=(1.0, 0.0),
-                          prefix_weight_start=0.0, **common))
+                          prefix_weight_start=0.0, **{**common, "tokens_per_rank": 256}))
     model = GPTConfig.tiny(num_layers=4, model_dim=64, num_heads=2, head_dim=32, mlp_hidden=128,
                            long_window_layers=(3,), paired_head_layers=(0,), no_attention_layer=2,
                            skip_from_layer=1, value_embed_layers=(1, 3), max_position=1024,
@@ -143,6 +144,12 @@ def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path):
     summary = json.loads((tmp_path / "graphs" / "summary.json").read_text())
     report = summary["capture_report"]
     assert len(report) == 2 and all(row["self_checks"] >= 1 for row in report)
+    # One compile per key and per validation window, all during warmup: the self-checks' eager
+    # forwards reuse the key's graph (no no_grad recompile), every validation window is compiled
+    # ahead in its YaRN state, and nothing compiles once the clock runs.
+    windows = {(r["ws_short"], r["ws_long"]) for r in MetricsLog.read(tmp_path / "graphs") if r["kind"] == "val"}
+    assert windows == {(128, 128), (128, 256)}  # trained-at windows, then the final one
+    assert summary["compiles"] == {"warmup": len(report) + len(windows), "validation": 0, "timed": 0}
     vals_eager = [v["val_loss"] for v in json.loads((tmp_path / "eager" / "summary.json").read_text())["val_curve"]]
     vals_graphs = [v["val_loss"] for v in summary["val_curve"]]
     assert vals_graphs == pytest.approx(vals_eager, rel=1e-4)

@@ -39,6 +39,8 @@ from track_1_short.model.loss import build_prefix_table
 from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.perf import compile_cache
+from track_1_short.perf.compile_cache import CompileCacheError
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.perf.cuda_graphs.capture_plan import describe_plan, step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
@@ -75,6 +77,10 @@ class Run:
     timer: "StepTimer" = None
     val_curve: list[dict] = field(default_factory=list)
     warmup_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)  # process wall clock: build() start
+    # dynamo graphs compiled per phase ("warmup", "timed": must stay 0) and the compile cache's log
+    compiles: dict[str, int] = field(default_factory=dict)
+    compile_cache: dict = field(default_factory=dict)
 
 
 class StepTimer:
@@ -129,7 +135,7 @@ def build_model(cfg: RunConfig, device: torch.device) -> GPT:
             if name in BF16_PARAMS:
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
-    model.fp8.resolve(device)  # warns (never silently) while the fp8 path is not implemented
+    model.fp8.resolve(device)  # --fp8 where it cannot run (CPU, pre-Hopper GPU) warns, never silently
     return model
 
 
@@ -210,14 +216,19 @@ def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
     return schedule.stage_starts[2] | 1
 
 
-def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0) -> LookaheadLoader:
-    """The training loader; warmup uses another seed so the timed run starts on unseen order."""
+def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
+                steps: list[int] | None = None) -> LookaheadLoader:
+    """The training loader; warmup uses another seed so the timed run starts on unseen order.
+    `steps`: the schedule steps the loader's consecutive steps stand for (the warmup visit plan,
+    which jumps between stages), so each batch has the shape of the step that consumes it."""
     sched, cfg = run.schedule, run.cfg
     shapes = [SliceShape(s.tokens_per_rank, s.max_seq_len, s.cu_seqlens_rows) for s in cfg.schedule.stages]
     largest = SliceShape(max(s.tokens for s in shapes), max(s.max_seq_len for s in shapes),
                          max(s.cu_seqlens_rows for s in shapes))
 
     def shape_for_step(step: int) -> SliceShape:
+        if steps is not None:
+            step = steps[min(step, len(steps) - 1)]
         return shapes[sched.stage_index(min(step, sched.num_steps - 1))]
 
     return LookaheadLoader(make_train_loader(
@@ -253,7 +264,7 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
         run.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
     if plan.ngram_event:
         ngram.update_event(step, plan.lr_mul)  # sparse Adam on the held rows, cache refreshed
-    return total / plan.tokens_per_rank
+    return (total / plan.tokens_per_rank).detach()
 
 
 @torch.no_grad()
@@ -288,6 +299,31 @@ def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
 
 # ---------------------------------------------------------------- phases
 
+def validation_windows(run: Run, step: int) -> tuple[int, int]:
+    """(ws_short, ws_long) of the validation before `step` trains: the windows the model has been
+    trained at so far (step - 1's stage, whose YaRN state is the live one); step 0 uses stage 0's.
+    After the last step (step == num_steps): the schedule's final windows (an extension of the long
+    window at the last stage's YaRN state), or the last step's if --max-steps cut the run short."""
+    sched = run.schedule
+    if step >= run.num_steps:
+        if run.num_steps < sched.num_steps:
+            last = sched.plan(run.num_steps - 1)
+            return last.ws_short, last.ws_long
+        return sched.final_validation_windows()
+    plan = sched.plan(max(step - 1, 0))
+    return plan.ws_short, plan.ws_long
+
+
+def validation_stages(run: Run) -> dict[int, tuple[int, int]]:
+    """Stage index -> validation windows of every validation the timed run makes, keyed by the
+    stage whose YaRN state it runs in (the last stage also holds the final validation's)."""
+    sched, out = run.schedule, {}
+    for step in [s for s in range(run.num_steps) if sched.plan(s).validate] + [run.num_steps]:
+        stage = sched.plan(max(min(step, run.num_steps) - 1, 0)).stage_index
+        out.setdefault(stage, set()).add(validation_windows(run, step))
+    return out
+
+
 def _sync(run: Run) -> None:
     if run.ctx.device.type == "cuda":
         torch.cuda.synchronize(run.ctx.device)
@@ -300,9 +336,12 @@ def warmup_and_capture(run: Run) -> None:
     visits = warmup_visit_plan(run.schedule, num_steps=run.num_steps)
     if run.ctx.is_main:
         print(describe_plan(run.schedule, keys, visits), flush=True)
-    loader = make_loader(run, seed_offset=10_000)
-    t0 = time.perf_counter()
+    loader = make_loader(run, seed_offset=10_000, steps=visits)
+    t0, compiled0 = time.perf_counter(), compile_cache.graphs_compiled()
     prev_stage = 0
+    # Validation windows by stage: each one's eval graph compiles here, in the YaRN state it will
+    # run in, so no validation of the timed run stops to compile.
+    to_validate = validation_stages(run)
     try:
         for step in visits:
             plan = run.schedule.plan(step)
@@ -312,14 +351,25 @@ def warmup_and_capture(run: Run) -> None:
             prev_stage = plan.stage_index
             loss = train_step(run, step, loader)
             if run.ctx.is_main:
-                print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f}", flush=True)
-            if plan.validate:
-                evaluate(run, plan.ws_short, plan.ws_long)  # compiles this window's eval graph
+                print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f} "
+                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+            for ws_short, ws_long in sorted(to_validate.pop(plan.stage_index, ())):
+                evaluate(run, ws_short, ws_long)  # compiles this window's eval graph
+                if run.ctx.is_main:
+                    print(f"warmup validation windows ({ws_short}, {ws_long}) compiled "
+                          f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+        if to_validate:
+            raise RuntimeError(f"warmup never visited stages {sorted(to_validate)} (validation windows "
+                               f"left uncompiled); the visit plan must reach every stage")
     finally:
         loader.close()
         run.prefetch.reset()  # its pending request belongs to the warmup loader
     _sync(run)
     run.warmup_s = time.perf_counter() - t0
+    run.compiles["warmup"] = compile_cache.graphs_compiled() - compiled0
+    if run.ctx.is_main and run.cfg.train.compile:
+        # where the compile time went (dynamo / AOT / inductor phases), for the run log
+        print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
 
 
 def timed_run(run: Run, start_step: int) -> None:
@@ -327,6 +377,7 @@ def timed_run(run: Run, start_step: int) -> None:
     run.loader = run.loader or make_loader(run)
     bar = tqdm(range(start_step, run.num_steps), desc="train", disable=not run.ctx.is_main,
                file=sys.stdout, mininterval=1.0)
+    compiled0, val_compiled0 = compile_cache.graphs_compiled(), run.compiles.get("validation", 0)
     _sync(run)
     clock = time.perf_counter()
     for step in bar:
@@ -334,7 +385,7 @@ def timed_run(run: Run, start_step: int) -> None:
         if plan.validate and step > start_step:
             _sync(run)
             run.train_time_s += time.perf_counter() - clock
-            _validate(run, step, plan.ws_short, plan.ws_long)
+            _validate(run, step, *validation_windows(run, step))
             _sync(run)
             clock = time.perf_counter()
         run.timer.start(step)
@@ -355,10 +406,15 @@ def timed_run(run: Run, start_step: int) -> None:
     _sync(run)
     run.train_time_s += time.perf_counter() - clock
     bar.close()
+    # training steps only: validations compile their window's eval graph outside the clock
+    val_compiled = run.compiles.get("validation", 0) - val_compiled0
+    run.compiles["timed"] = compile_cache.graphs_compiled() - compiled0 - val_compiled
 
 
 def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
+    compiled0 = compile_cache.graphs_compiled()
     val = evaluate(run, ws_short, ws_long)
+    run.compiles["validation"] = run.compiles.get("validation", 0) + compile_cache.graphs_compiled() - compiled0
     run.val_curve.append({"step": step, "val_loss": val, "train_time_s": run.train_time_s})
     run.metrics.log(kind="val", step=step, val_loss=val, train_time_s=run.train_time_s,
                     ws_short=ws_short, ws_long=ws_long)
@@ -381,6 +437,8 @@ def summarize(run: Run, start_step: int) -> dict:
         "world_size": ctx.world_size, "micro_steps": run.micro_steps,
         "steps": run.num_steps - start_step, "start_step": start_step,
         "tokens_per_rank": tokens, "train_time_s": run.train_time_s, "warmup_s": run.warmup_s,
+        "wall_s": time.perf_counter() - run.started, "compiles": dict(run.compiles),
+        "compile_cache": run.compile_cache,
         "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
         "ms_per_step_by_stage": report.stage_ms_per_step(step_times(run)),
         "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
@@ -402,9 +460,14 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: RunConfig, graph_backend=None) -> int:
     """The whole run in its phases; returns the process exit code (2: bad data or checkpoint).
     graph_backend: see build()."""
+    started = time.perf_counter()
     ctx = init_distributed(cfg.train.timeout_s, None if cfg.train.device == "auto" else cfg.train.device)
     try:
+        cache_log = compile_cache.load(cfg.train.compile_cache) if cfg.train.compile_cache else {}
         run = build(cfg, ctx, graph_backend)
+        run.started, run.compile_cache = started, cache_log
+        if ctx.is_main and cache_log:
+            print(f"compile cache: {cache_log}", flush=True)
         if ctx.is_main:
             print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
                   f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
@@ -415,6 +478,9 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
             census_before = baked_addresses.take_census(run.model, run.runner)
             restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
             baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
+            if cfg.train.compile_cache and ctx.is_main:
+                # every training key is compiled now: a run stopped later still leaves them cached
+                run.compile_cache["saved_after_warmup"] = compile_cache.save(cfg.train.compile_cache)
         elif ctx.is_main:
             print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
                   flush=True)
@@ -424,16 +490,13 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
         if cfg.train.resume is not None:
             start_step = load_checkpoint(run, cfg.train.resume)
         if start_step == 0:
-            plan0 = run.schedule.plan(0)
-            _validate(run, 0, plan0.ws_short, plan0.ws_long)
+            _validate(run, 0, *validation_windows(run, 0))
         timed_run(run, start_step)
-        ws_short, ws_long = run.schedule.final_validation_windows()
-        if run.num_steps < run.schedule.num_steps:
-            last = run.schedule.plan(run.num_steps - 1)
-            ws_short, ws_long = last.ws_short, last.ws_long
-        _validate(run, run.num_steps, ws_short, ws_long)
+        _validate(run, run.num_steps, *validation_windows(run, run.num_steps))
         if cfg.train.save_final:
             save_checkpoint(run, run.num_steps)
+        if cfg.train.compile_cache and ctx.is_main:
+            run.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
         if ctx.is_main:
             summary = summarize(run, start_step)
             report.write_json_atomic(run.run_dir / "summary.json", summary)
@@ -444,7 +507,7 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
         if run.loader is not None:
             run.loader.close()
         return 0
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, CompileCacheError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

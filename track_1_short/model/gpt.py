@@ -197,7 +197,7 @@ class GPT(nn.Module):
         self.yarn = Yarn(dh, c.max_position)
         self.yarn_paired_head = Yarn(dh, c.max_position, paired=True)
         self.yarn_wide = Yarn(dh, c.max_position)
-        self.fp8 = Fp8Matmuls(c.fp8, nl)
+        self.fp8 = Fp8Matmuls(c.fp8)
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
 
@@ -237,10 +237,10 @@ class GPT(nn.Module):
                 value_embed_grad: Tensor | None = None) -> Tensor:
         """Per-token training loss float32 [T]; the trainer backpropagates loss.sum()."""
         x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
-                        cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len)  # [T, D]
+                        cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len, use_fp8=True)  # [T, D]
         s = cfg.sampled_loss
         if s is None:
-            capped = softcap(self.fp8.matmul(x, self.lm_head))  # [T, V]
+            capped = softcap(self.fp8.matmul(x, self.lm_head, which="lm_head"))  # [T, V]
             return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight,
                                  self.prefix_table[targets])
         capped = softcap(x @ self.lm_head[:, s.rows].to(x.dtype)) - s.log_q  # [T, P]
@@ -266,8 +266,9 @@ class GPT(nn.Module):
         raise ValueError("call model.resolve_attention_backend(device) before the first forward")
 
     def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
-               ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:
-        """Embedding through the last layer; returns rms_norm(x) [T, D]."""
+               ws_short: int, ws_long: int, max_seq_len: int, use_fp8: bool = False) -> Tensor:
+        """Embedding through the last layer; returns rms_norm(x) [T, D]. use_fp8: the MLP down
+        projections go through self.fp8 (fp8 when resolved active); eval passes False."""
         c = self.config
         backend = self._backend(inputs.device)
         x = self.embed(inputs)  # [T, D]
@@ -286,7 +287,7 @@ class GPT(nn.Module):
                 window = ws_long if i in c.long_window_layers else ws_short
                 x = self._attention_block(i, x, x0, ngram, ves.get(i), cum_seqlens, window,
                                           max_seq_len, backend)
-            x = self._mlp_block(i, x)
+            x = self._mlp_block(i, x, use_fp8)
             if i == c.skip_from_layer:
                 skip = x
         return rms_norm(x)
@@ -332,8 +333,8 @@ class GPT(nn.Module):
             k = torch.cat([k[:, :, :half], torch.cat([k[:1, :, half:], k[:-1, :, half:]])], dim=-1)
         return attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
 
-    def _mlp_block(self, i: int, x: Tensor) -> Tensor:
+    def _mlp_block(self, i: int, x: Tensor, use_fp8: bool) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
         hidden = F.relu(F.linear(rms_norm(x), w[0])).square()  # [T, F]
-        y = self.fp8.matmul(hidden, w[1])  # [T, D]
+        y = self.fp8.matmul(hidden, w[1], which="mlp_down") if use_fp8 else hidden @ w[1]  # [T, D]
         return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y

@@ -210,6 +210,12 @@ class AnvilAndAdam:
 
     def _adam(self, p: nn.Parameter, name: str, cfg: ParamConfig) -> AdamShard:
         sharded = cfg.comm == SHARDED and self.world_size > 1
+        if sharded and not p.is_contiguous():
+            # NCCL's all_gather_into_tensor refuses strided tensors (gloo accepts them): the update
+            # is gathered straight into p.data, and rebinding it here would move a baked address.
+            raise ValueError(f"sharded Adam parameter {name} {tuple(p.shape)} has strides "
+                             f"{p.stride()}: make it contiguous before building the optimizer "
+                             f"(e.g. w.T.contiguous(), not w.T.clone())")
         d0, rest = (p.shape[0], tuple(p.shape[1:])) if p.dim() else (1, ())  # 0-d: one element
         rows = -(-d0 // self.world_size) if sharded else d0
         state_shape = (rows, *rest) if sharded else tuple(p.shape)  # replicated: exactly p's shape

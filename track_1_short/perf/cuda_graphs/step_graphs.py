@@ -17,7 +17,7 @@ all_to_all hides under the backward exactly as it does without graphs.
 What must stay address-stable (a replay reads and writes the addresses the capture saw):
 - the per-key StaticInputs owned here: inputs, targets, cum_seqlens, n-gram cache slots, MTP and
   prefix weights; each step copies its batch into them before the forward replay
-- every parameter's .data and every model buffer (fp8 caches/scales, YaRN tables, n-gram row
+- every parameter's .data and every model buffer (fp8 scales, YaRN tables, n-gram row
   cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks), value_embeds'
   gradient buffer (ValueEmbedPull.grad_accum), the sampled-softmax candidate buffers, and the
   persistent gradient accumulators and n-gram ring owned here.
@@ -46,9 +46,12 @@ After warmup: post-warmup reset, census compared, runner.seal().
 
 Capture protocol: the first warmup visit of a key runs WARM_ITERATIONS eager iterations on the side
 stream and captures both graphs (capture_support), then replays the forward; the second visit
-replays and compares the loss with an eager forward on the same buffers. seal() then makes a
-missing or unchecked key fatal. `--graphs check` repeats the self-check on a deterministic sample
-of timed steps. Guards are `if ...: raise StepGraphError`, never `assert` (they must survive -O).
+replays both and compares the loss with an eager forward and every gradient with an eager backward
+on the same buffers (an op that is not capture-safe can replay a right loss and wrong gradients).
+The eager forward runs with grad mode on, so it reuses the key's compiled graph. seal() then makes
+a missing or unchecked key fatal. `--graphs check` repeats the loss self-check on a deterministic
+sample of timed steps (not the gradient check: its eager backward would add to value_embeds'
+gradient buffer a second time). Guards are `if ...: raise StepGraphError`, never `assert` (they must survive -O).
 
 Provenance: record #360 (ANVIL2) `_CGraphRunner` (fwd/bwd, `_acc`, `_sink_flat` ring,
 `_selfcheck_now`, `seal`), via shared/reference/step_graphs_seed.py. Deviations from the seed: the
@@ -89,6 +92,12 @@ if TYPE_CHECKING:
 # The self-check compares scalar losses of two runs of the same kernels; atomics in the loss kernels
 # make them not bitwise equal (record #360's tolerance).
 SELF_CHECK_ABS, SELF_CHECK_REL = 1e-3, 5e-4
+# The warmup self-check also compares every gradient the backward graph wrote with an eager backward
+# on the same buffers: ||replay - eager|| <= SELF_CHECK_GRAD_REL * max(||eager||, floor), floor =
+# 1e-6 * the norm of all gradients (gradients that are zero up to rounding at init: facts of the
+# GPU tests). A graph can replay the right loss and wrong gradients (an op that is not capture-safe
+# in the backward), so the loss check alone is not enough.
+SELF_CHECK_GRAD_REL = 1e-2
 GRAPH_MODES = ("on", "off", "check")
 
 
@@ -101,6 +110,7 @@ class StepGraphsConfig:
     seed: int = 0  # seeds the choice of checked steps (same on every rank)
     self_check_abs: float = SELF_CHECK_ABS
     self_check_rel: float = SELF_CHECK_REL
+    self_check_grad_rel: float = SELF_CHECK_GRAD_REL
     warm_iterations: int = WARM_ITERATIONS
     sync_debug_warmup: bool = False  # warm iterations after the first under sync debug "error"
 
@@ -109,8 +119,8 @@ class StepGraphsConfig:
             raise ValueError(f"mode={self.mode!r}: --graphs must be one of {GRAPH_MODES}")
         if not 0.0 <= self.check_fraction <= 1.0:
             raise ValueError(f"check_fraction={self.check_fraction} must be in [0, 1]")
-        if self.self_check_abs < 0 or self.self_check_rel < 0:
-            raise ValueError("self_check_abs and self_check_rel must be >= 0")
+        if min(self.self_check_abs, self.self_check_rel, self.self_check_grad_rel) < 0:
+            raise ValueError("self_check_abs, self_check_rel and self_check_grad_rel must be >= 0")
         if self.warm_iterations < 1:
             raise ValueError(f"warm_iterations={self.warm_iterations} must be >= 1 (the first "
                              f"compiles; capturing a compile is not possible)")
@@ -253,6 +263,7 @@ class KeyStats:
     replay_ms: float | None = None  # forward + backward replay on the self-check visit
     self_checks: int = 0
     max_loss_diff: float = 0.0
+    max_grad_rel_err: float | None = None  # worst gradient, warmup self-check (None: not checked)
 
 
 @dataclass(slots=True)
@@ -261,6 +272,7 @@ class _InFlight:
     step: int
     micro_step: int
     forward_ms: float | None  # set on the timed (self-check) visit
+    check_grads: bool = False  # the key's first self-check: compare the backward too
 
 
 class StepGraphs:
@@ -344,8 +356,7 @@ class StepGraphs:
         sampled = self.sealed and micro_step == 0 and step in self.check_steps
         if first_check or sampled:
             self._self_check(cs, step)
-            self.unchecked.discard(key)
-        self.in_flight = _InFlight(cs, step, micro_step, forward_ms)
+        self.in_flight = _InFlight(cs, step, micro_step, forward_ms, check_grads=first_check)
         return cs.loss
 
     def _check_frozen_values(self, step: int, cs: CapturedStep, cfg: ForwardScheduleConfig) -> None:
@@ -372,6 +383,11 @@ class StepGraphs:
         backward_ms = self._replay(flight.cs.backward, timed=flight.forward_ms is not None)
         if backward_ms is not None:
             self.stats[flight.cs.key].replay_ms = flight.forward_ms + backward_ms
+        if flight.check_grads:
+            # Warmup only: the eager backward also adds into value_embeds' grad_accum once more,
+            # which the post-warmup reset clears (a timed step must not have that side effect).
+            self._check_grads(flight.cs, flight.step)
+            self.unchecked.discard(flight.cs.key)
         self.handoff.hand_over(flight.step, flight.micro_step, flight.cs.grads)
         return flight.cs.ngram_grad
 
@@ -403,7 +419,7 @@ class StepGraphs:
             forward=self.backend.new_graph(), backward=self.backend.new_graph())
         leaves = self.params + [cs.ngram_sink]
         start = time.perf_counter()
-        # The warm iterations add into value_embeds' gradient buffer and the fp8 amax buffers:
+        # The warm iterations add into value_embeds' gradient buffer:
         # harmless, the post-warmup reset clears both.
         eager_ms = warm_up(self.backend, self.stream, lambda: loss_grads(self._loss(cs), leaves),
                            self.config.warm_iterations, self.config.sync_debug_warmup)
@@ -440,11 +456,16 @@ class StepGraphs:
                             device=ngram_grad.device)
                 for _ in range(self.ngram_ring_slots)]
 
-    @torch.no_grad()
     def _self_check(self, cs: CapturedStep, step: int) -> None:
         """Replay vs eager forward on the same buffers: catches a graph that baked an input's value or
-        a stale address instead of reading the live tensor."""
-        replay, eager = cs.loss.item(), self._loss(cs).item()
+        a stale address instead of reading the live tensor.
+
+        The eager forward runs with grad mode on, like the captured one, and its autograd graph is
+        dropped unused: under no_grad dynamo's grad-mode guard would fail and compile an inference
+        graph per key (a second compile of every key, ~30-60 s each for the full model), and the
+        check would then compare different generated kernels."""
+        replay = cs.loss.item()
+        eager = self._loss(cs).detach().item()
         diff = abs(replay - eager)
         tolerance = max(self.config.self_check_abs, abs(eager) * self.config.self_check_rel)
         stats = self.stats[cs.key]
@@ -454,6 +475,29 @@ class StepGraphs:
             raise StepGraphError(f"step {step}: step graph {cs.key} replay loss {replay} != eager "
                                  f"loss {eager} on the same buffers (|diff| {diff:.3g} > "
                                  f"{tolerance:.3g}): the graph baked a value or a stale address")
+
+    def _check_grads(self, cs: CapturedStep, step: int) -> None:
+        """Every gradient the backward replay wrote vs an eager backward on the same buffers."""
+        eager = dict(zip(self.params + [cs.ngram_sink],
+                         loss_grads(self._loss(cs), self.params + [cs.ngram_sink])))
+        replayed = [*cs.grads, (cs.ngram_sink, cs.ngram_grad)]
+        if any(eager[p] is None for p, _ in replayed):
+            raise StepGraphError(f"step {step}: step graph {cs.key}: the eager backward has no "
+                                 f"gradient for a parameter the captured backward wrote")
+        norms = torch.stack([eager[p].float().norm() for p, _ in replayed])
+        floor = max(1e-6 * float(norms.norm()), 1e-12)
+        errors = torch.stack([(g.float() - eager[p].float()).norm() for p, g in replayed]) / norms.clamp_min(floor)
+        errors = errors.tolist()  # one host sync for all parameters
+        worst = max(range(len(errors)), key=errors.__getitem__)
+        stats = self.stats[cs.key]
+        stats.max_grad_rel_err = max(stats.max_grad_rel_err or 0.0, errors[worst])
+        if not errors[worst] <= self.config.self_check_grad_rel:  # NaN fails too
+            p = replayed[worst][0]
+            name = "ngram_sink" if p is cs.ngram_sink else self.param_names.get(p, "?")
+            raise StepGraphError(f"step {step}: step graph {cs.key} replayed gradient of {name} "
+                                 f"differs from eager on the same buffers (relative error "
+                                 f"{errors[worst]:.3g} > {self.config.self_check_grad_rel:.3g}): an "
+                                 f"op in the backward is not capture-safe or baked a value")
 
     def seal(self) -> None:
         """After warmup: every key the timed run reaches owns a self-checked capture, and every key

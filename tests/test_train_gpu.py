@@ -1,0 +1,74 @@
+"""The trainer on one GPU: graphs on vs off, and resume (main-job issue, GPU bars).
+
+Scope: the small-gpu preset (full speedrun model, stage A's key, 8 micro-steps per step on one GPU)
+for 50 steps on the embedded corpus, three runs in one process:
+  1. graphs on, checkpoint after step 24;
+  2. graphs off (the compiled model launched eagerly), same seed and data order;
+  3. graphs on, resumed from run 1's checkpoint.
+Checks: train loss of 1 and 2 within 1e-2 at every step and the final val loss within 1e-2; run 3's
+losses for steps 24-49 within 1e-3 of run 1's, and its final val loss too; no compile during any
+timed run.
+Hardware: one CUDA GPU; ~4 min on an H200 with a cold compile cache (the key and one validation
+window compile once; runs 2 and 3 hit inductor's cache).
+Run: `.venv/bin/python -m pytest -m gpu tests/test_train_gpu.py -q` (needs data/embedded and the
+GPT-2 tokenizer, as ./test.sh prepares them).
+"""
+
+import json
+
+import pytest
+import torch
+
+from track_1_short import config as config_mod
+from track_1_short.report import MetricsLog
+from track_1_short.train import train
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STEPS, RESUME_AT = 50, 24
+
+
+def _run(embedded_dir, runs_dir, run_id: str, *extra: str) -> dict:
+    argv = ["--preset", "small-gpu", "--data-dir", str(embedded_dir), "--max-steps", str(STEPS),
+            "--runs-dir", str(runs_dir), "--run-id", run_id, "--log-every", "1", "--no-save-final",
+            *extra]
+    assert train(config_mod.parse(argv)) == 0
+    run_dir = runs_dir / run_id
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = {r["step"]: r["loss"] for r in MetricsLog.read(run_dir) if r["kind"] == "train"}
+    return {"summary": summary, "losses": losses, "dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def runs(embedded_dir, tmp_path_factory):
+    runs_dir = tmp_path_factory.mktemp("runs")
+    on = _run(embedded_dir, runs_dir, "on", "--graphs", "on", "--save-every", str(RESUME_AT))
+    off = _run(embedded_dir, runs_dir, "off", "--graphs", "off")
+    ckpt = on["dir"] / f"ckpt_step{RESUME_AT:06d}"
+    resumed = _run(embedded_dir, runs_dir, "resumed", "--graphs", "on", "--resume", str(ckpt))
+    return on, off, resumed
+
+
+def test_graphs_on_off_equivalent(runs):
+    on, off, _ = runs
+    assert sorted(on["losses"]) == list(range(STEPS)) == sorted(off["losses"])
+    diffs = {s: abs(on["losses"][s] - off["losses"][s]) for s in range(STEPS)}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= 1e-2, f"step {worst}: graphs on {on['losses'][worst]} vs off {off['losses'][worst]}"
+    assert on["losses"][STEPS - 1] < on["losses"][0] - 1.0, "the run did not learn"
+    val_on, val_off = on["summary"]["final_val_loss"], off["summary"]["final_val_loss"]
+    assert abs(val_on - val_off) <= 1e-2, (val_on, val_off)
+    for r in (on, off):
+        assert r["summary"]["compiles"]["timed"] == 0, r["summary"]["compiles"]
+    assert on["summary"]["capture_report"] and not off["summary"]["capture_report"]
+
+
+def test_resume_continues_the_run(runs):
+    on, _, resumed = runs
+    assert resumed["summary"]["start_step"] == RESUME_AT
+    assert sorted(resumed["losses"]) == list(range(RESUME_AT, STEPS))
+    for s in range(RESUME_AT, STEPS):
+        assert abs(resumed["losses"][s] - on["losses"][s]) <= 1e-3, \
+            f"step {s}: resumed {resumed['losses'][s]} vs uninterrupted {on['losses'][s]}"
+    assert abs(resumed["summary"]["final_val_loss"] - on["summary"]["final_val_loss"]) <= 1e-3
