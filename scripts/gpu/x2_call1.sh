@@ -4,17 +4,11 @@
 #   both:  NCCL tests (sharded n-gram table, AnvilAndAdam), 2-GPU optimizer and row-prefetch benches
 #   GPU 1: trainer GPU tests (graphs on/off equivalence, resume)
 # Run from the repo root with $OUT set (the device tool's output dir); results land in $OUT.
-set -u
-export TIKTOKEN_CACHE_DIR=$PWD/.carry/tiktoken PYTHONPATH=. PYTHONUNBUFFERED=1
-export TORCHINDUCTOR_CACHE_DIR=$PWD/build/inductor_cache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-L=$OUT/logs; mkdir -p "$L" "$OUT/runs"
-nvidia-smi -L > "$L/gpus.txt"; python3 -c "import torch,triton;print(torch.__version__,triton.__version__)" >> "$L/gpus.txt"
-start=$(date +%s)
+source "$(dirname "$0")/common.sh"
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=16 timeout 575 python3 -m track_1_short.train \
     --preset small-gpu --graphs on --run-id small-gpu-on-cold --runs-dir "$OUT/runs" \
     --compile-cache "$OUT/compile_cache.bin" --no-save-final > "$L/small_gpu_on_cold.log" 2>&1;
-  echo "exit $? after $(( $(date +%s) - start )) s" >> "$L/small_gpu_on_cold.log" ) &
+  echo "exit $? after $(elapsed) s" >> "$L/small_gpu_on_cold.log" ) &
 A=$!
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_ngram_sharded_gpu.py \
     tests/test_anvil_distributed_gpu.py > "$L/nccl_tests.log" 2>&1; echo "exit $?" >> "$L/nccl_tests.log"
@@ -22,13 +16,8 @@ timeout 90 torchrun --standalone --nproc_per_node 2 bench/optimizer.py --out "$L
     > "$L/optimizer_2gpu.log" 2>&1; echo "exit $?" >> "$L/optimizer_2gpu.log"
 timeout 90 torchrun --standalone --nproc_per_node 2 bench/row_prefetch.py --out "$L/row_prefetch_h200_2gpu.json" \
     > "$L/row_prefetch_2gpu.log" 2>&1; echo "exit $?" >> "$L/row_prefetch_2gpu.log"
-CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_COMPILE_THREADS=16 timeout $(( 575 - ($(date +%s) - start) )) \
+CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_COMPILE_THREADS=16 timeout $(( 575 - $(elapsed) )) \
     python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_train_gpu.py > "$L/train_gpu_tests.log" 2>&1
-echo "exit $? after $(( $(date +%s) - start )) s" >> "$L/train_gpu_tests.log"
+echo "exit $? after $(elapsed) s" >> "$L/train_gpu_tests.log"
 wait $A
-cd "$OUT" && tar czf results.tgz logs runs && rm -rf logs runs
-# files come back at <= 16 MiB each: split the compile cache if it is larger
-if [[ -f compile_cache.bin && $(stat -c %s compile_cache.bin) -gt 16000000 ]]; then
-  split -b 15M -d compile_cache.bin compile_cache.bin.part && rm compile_cache.bin
-fi
-ls -la "$OUT"
+pack_outputs

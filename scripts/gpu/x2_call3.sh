@@ -4,28 +4,18 @@
 #   both:  NCCL AnvilAndAdam equivalence (after the contiguity fix)
 #   GPU 1: step-graph GPU tests (gradient self-check, varlen fault injection), fp8 and attention GPU tests
 # Run from the repo root with $OUT set; results land in $OUT.
-set -u
-export TIKTOKEN_CACHE_DIR=$PWD/.carry/tiktoken PYTHONPATH=. PYTHONUNBUFFERED=1
-export TORCHINDUCTOR_CACHE_DIR=$PWD/build/inductor_cache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-L=$OUT/logs; mkdir -p "$L" "$OUT/runs"
-nvidia-smi -L > "$L/gpus.txt"; python3 -c "import torch,triton;print(torch.__version__,triton.__version__)" >> "$L/gpus.txt"
-start=$(date +%s)
+source "$(dirname "$0")/common.sh"
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=24 timeout 570 python3 -m track_1_short.train \
     --preset small-gpu --graphs on --run-id small-gpu-graphs-on --runs-dir "$OUT/runs" \
     --compile-cache "$OUT/compile_cache.bin" --no-save-final > "$L/small_gpu_graphs_on.log" 2>&1
-  echo "exit $? after $(( $(date +%s) - start )) s" >> "$L/small_gpu_graphs_on.log" ) &
+  echo "exit $? after $(elapsed) s" >> "$L/small_gpu_graphs_on.log" ) &
 A=$!
 export TORCHINDUCTOR_COMPILE_THREADS=8
 timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_anvil_distributed_gpu.py \
     > "$L/gpu_tests_nccl_anvil.log" 2>&1; echo "exit $?" >> "$L/gpu_tests_nccl_anvil.log"
-CUDA_VISIBLE_DEVICES=1 timeout $(( 560 - ($(date +%s) - start) )) python3 -m pytest -m gpu -q -p no:cacheprovider \
+CUDA_VISIBLE_DEVICES=1 timeout $(( 560 - $(elapsed) )) python3 -m pytest -m gpu -q -p no:cacheprovider \
     -rA tests/test_fp8_gpu.py tests/test_attention_gpu.py tests/test_step_graphs_gpu.py \
     > "$L/gpu_tests_1gpu.log" 2>&1
-echo "exit $? after $(( $(date +%s) - start )) s" >> "$L/gpu_tests_1gpu.log"
+echo "exit $? after $(elapsed) s" >> "$L/gpu_tests_1gpu.log"
 wait $A
-cd "$OUT" && tar czf results.tgz logs runs && rm -rf logs runs
-if [[ -f compile_cache.bin && $(stat -c %s compile_cache.bin) -gt 16000000 ]]; then
-  split -b 15M -d compile_cache.bin compile_cache.bin.part && rm compile_cache.bin
-fi
-ls -la "$OUT"
+pack_outputs
