@@ -9,8 +9,8 @@ The resolved config is written into the run's summary and log.
 Presets:
   speedrun   the four stages of DESIGN section 3 (1285 steps, per-rank shapes of 8 ranks; on fewer
              GPUs each rank runs 8/world_size micro-steps), graphs on, compiled, bf16 matmuls
-             (--fp8: the lm head and MLP down projection in fp8 on H100/H200; off by default until
-             its speed and loss are measured on the speedrun)
+             (--fp8: the lm head and the MLP projections in fp8 on H100/H200; off by default
+             until its speed and loss are measured on the speedrun)
   small-gpu  the same stages and keys with fewer steps, so it finishes on one H200 in minutes
   cpu-tiny   a 6-layer d=128 model with the real GPT-2 vocab on the embedded corpus, eager, two
              stages (one window change), one slice per step, for CPU-only machines and CI

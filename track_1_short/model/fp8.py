@@ -1,13 +1,15 @@
-"""fp8 matmuls (torch._scaled_mm) for the lm head and the MLP down projection, with address-stable
+"""fp8 matmuls (torch._scaled_mm) for the lm head and both MLP projections, with address-stable
 scale buffers.
 
-What it replaces: the bf16 GEMMs `x @ lm_head` and `relu(.)^2 @ c_proj` of GPT.forward's training
-path (eval_ce never uses fp8). Why faster: Hopper's fp8 tensor cores have twice the dense bf16 peak
-(H100/H200 SXM ~1979 vs ~989 TFLOP/s) and the operands are half the bytes; the lm head GEMM
-[T, 768] x [768, 50304] is the step's largest. Correctness is GPU-tested (tests/test_fp8_gpu.py
-passed on the H200, 2026-11-30: op vs reference and bf16 at the speedrun shapes, compiled, captured
-and replayed, tiny GPT fp8 vs bf16); speed is not measured yet (TODO(model owner): bench/model.py
-with and without --fp8), so Fp8Config.enabled defaults to False.
+What it replaces: the bf16 GEMMs `x @ lm_head`, `rms_norm(x) @ c_fc^T` and `relu(.)^2 @ c_proj` of
+GPT.forward's training path (eval_ce never uses fp8 and never touches the scale buffers). Why
+faster: Hopper's fp8 tensor cores have twice the dense bf16 peak (H100/H200 SXM ~1979 vs ~989
+TFLOP/s) and the operands are half the bytes; the lm head GEMM [T, 768] x [768, 50304] is the step's
+largest. Correctness is GPU-tested (tests/test_fp8_gpu.py passed on the H200, 2026-11-30, for the lm
+head and current-scale MLP down: op vs reference and bf16 at the speedrun shapes, compiled, captured
+and replayed, tiny GPT fp8 vs bf16; the MLP up site and the delayed MLP-down scales under capture
+are CPU-tested only, their GPU tests are written but not yet run); speed is not measured yet
+(TODO(model owner): bench/model.py with and without --fp8), so Fp8Config.enabled defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -16,14 +18,19 @@ The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
               grad_x = _scaled_mm(g8, w8^T, grad_s, w_s) -> bf16 [T, K]
               grad_w = _scaled_mm(x8^T, g8, x_s, grad_s) -> fp32 [K, N], then w's dtype
 where q clamps to the format's finite range (+-448 e4m3, +-57344 e5m2: an out-of-range cast would
-give NaN/inf) and rounds to nearest; `quantise` is that one definition, used by the op and by the
-slow references `fp8_matmul_reference` / `fp8_matmul_backward_reference`. _scaled_mm returns
-(A8 @ B8) * scale_a * scale_b, so the scales are dequantisation scales (value = fp8 * scale).
-Both directions are torch.library custom ops (`t1s::fp8_mm`, `t1s::fp8_mm_backward`, fake +
-autograd registered): dynamo traces them without a graph break and inductor runs them as opaque
-extern kernels, so it cannot change the operand layouts cuBLASLt needs; their bodies are eager
-device ops with no host sync and no host-dependent allocation, so they are CUDA-graph capturable.
-x8 and w8 are op outputs saved for the backward (fp8: half the bytes of saving bf16 x and w).
+give NaN/inf) and rounds to nearest, so a value beyond 448 * scale SATURATES at +-448 * scale (this
+is what happens when a delayed scale is too small); `quantise` is that one definition, and `amax` /
+`amax_scale` the one definition of a current scale, used by the op, by Fp8Matmuls and by the slow
+references `fp8_matmul_reference` / `fp8_matmul_backward_reference` / `delayed_scales_reference`.
+_scaled_mm returns (A8 @ B8) * scale_a * scale_b, so the scales are dequantisation scales
+(value = fp8 * scale). Both directions are torch.library custom ops (`t1s::fp8_mm`,
+`t1s::fp8_mm_backward`, fake + autograd registered): dynamo traces them without a graph break and
+inductor runs them as opaque extern kernels, so it cannot change the operand layouts cuBLASLt needs;
+their bodies are eager device ops with no host sync and no host-dependent allocation, so they are
+CUDA-graph capturable. x8 and w8 are op outputs saved for the backward (fp8: half the bytes of
+saving bf16 x and w). The scales the op receives are fresh tensors computed in the forward (never
+the persistent buffers themselves), so a buffer updated later in the same forward cannot change
+what the backward reads.
 
 _scaled_mm layout rules (CUDA; torch's meta function checks them, so tests/test_fp8.py runs the op
 bodies on fake CUDA tensors on the CPU machine): the first operand row-major (strides (K, 1)), the
@@ -33,39 +40,77 @@ Layouts used: x8 [T, K] row-major; w8 [K, N] row-major, passed forward as `_col_
 transposed copy `.t().clone(contiguous).t()`) and backward as `w8.t()` (already column-major
 [N, K]); grad_w gets `_row_major(x8.t())` [K, T] and `_col_major(g8)`. (`.clone(memory_format=
 torch.contiguous_format)` rather than `.contiguous()`: the latter fails on fake CUDA tensors in the
-CPU build, and the copy is needed anyway.) The CPU _scaled_mm ignores layouts and fast accumulation.
+CPU build, and the copy is needed anyway.) The MLP up weight arrives as the view c_fc.t() [D, F];
+quantise keeps its strides and `_row_major` copies it. The CPU _scaled_mm ignores layouts and fast
+accumulation.
 
-Scales: lm head STATIC (facts 1.7): x_s = 100/448, w_s = 1.6/448, grad_s = 0.75/448, registered
-buffers. MLP down CURRENT per-tensor amax: x_s = amax|x|/448, w_s = amax|w|/448 computed in the
-traced forward, grad_s = amax|g|/57344 inside the backward op; all on device (no host sync), amax
-floored at AMAX_FLOOR so an all-zero tensor (c_proj is zero at init) quantises to zeros, not NaN.
+Scales per call site (`Fp8Matmuls.matmul(x, w, which, layer)`):
+- "lm_head": STATIC (facts 1.7): x_s = 100/448, w_s = 1.6/448, grad_s = 0.75/448, registered buffers.
+- "mlp_up": CURRENT per-tensor amax (facts 1.7: HEAD's activation scale): x_s = amax|x|/448,
+  w_s = amax|w|/448 computed in the traced forward; grad_s = amax|g|/57344 inside the backward op.
+- "mlp_down": DELAYED per layer (facts 1.7, PR #342), one `DelayedScales` module per layer
+  (`Fp8Matmuls.mlp_down[i]`) holding five buffers: x_scale_used, x_scale_next, w_scale_used,
+  w_scale_next (float32 0-d) and bootstrap_left (int32 0-d). Each forward call of layer i:
+      a_x = amax|x|, a_w = amax|w|                            (this call's operands, on device)
+      bootstrap = bootstrap_left > 0
+      x_s = where(bootstrap, a_x/448, where(a_x*1.80/448 == x_scale_next, x_scale_used, x_scale_next))
+      w_s = the same with a_w and 1.12
+      x_scale_used <- x_s, x_scale_next <- a_x*1.80/448     (in place; w likewise with 1.12)
+      bootstrap_left <- max(bootstrap_left - 1, 0)
+  so after bootstrap a call quantises with the previous call's amax times the margin (activations
+  1.80, weights 1.12: HEAD's factors), and during bootstrap with the exact current amax. grad_s is
+  the current amax of the gradient (as "mlp_up"). Bootstrap lasts Fp8Config.bootstrap_steps
+  (default 16, HEAD's steps < 16) forward calls per layer after build or reset(); it exists because
+  c_proj is zero at init (a delayed weight scale from zeros would saturate every weight of step 1).
+  REPEATS: a call whose next-scale equals the stored one (bitwise: the same amax as the previous
+  call) reuses the previous call's scale instead of advancing. That makes a re-run of the same step
+  on the same buffers quantise exactly as the first run did: the capture warm iterations
+  (WARM_ITERATIONS eager runs on one batch), the step graphs' self-check (replay, then eager
+  forwards on the same buffers, gradients compared at 1e-2, where a different grid would differ by
+  ~3%) and `--graphs check`. It relies on the forward being bitwise reproducible on the same buffers
+  (same compiled kernels, no atomics before the MLP); if it were not, the self-check would fail
+  loudly. Between genuinely different steps an equal amax (likely with bf16 operands: the amax of a
+  bf16 tensor is one of 256 values per octave) keeps the scale of the last amax change, which is
+  off the current amax by at most one step's change, as a normal delayed scale is.
+  What advances the state: every training forward with fp8 active, including the warm iterations
+  and self-check forwards (the bootstrap counter counts them, and micro-steps of gradient
+  accumulation count one each); warmup therefore leaves the buffers advanced, and the trainer's
+  post-warmup restore (checkpoint.restore_state copies every buffer back from the pre-warmup
+  snapshot; reset() does the same in place) restarts bootstrap for the timed run. A CUDA graph
+  captured from the forward replays the update at every replay (capture itself runs nothing).
+Every amax is floored at AMAX_FLOOR so an all-zero tensor (c_proj at init) quantises to zeros, not NaN.
 
-What must stay address-stable: every persistent scale is a registered float32 0-d buffer in ITS
-OWN storage (cuBLASLt on torch 2.11+cu130 refused `_scaled_mm` scales at a 4-byte offset inside a
-larger buffer, CUBLAS_STATUS_NOT_SUPPORTED, DESIGN.md section 4; the op raises on an offset scale),
-updated in place only; reset() restores them in place. Python values the compiled forward
-specializes on: `active` and the `which` argument. Call order: built by GPT; `resolve(device)` once
-by the trainer after .to(device) (warns when fp8 was asked for and cannot run); `matmul` inside the
-forward.
+What must stay address-stable: every persistent scale is a registered 0-d buffer in ITS OWN storage
+(cuBLASLt on torch 2.11+cu130 refused `_scaled_mm` scales at a 4-byte offset inside a larger buffer,
+CUBLAS_STATUS_NOT_SUPPORTED, DESIGN.md section 4; the op raises on an offset scale), updated in
+place only (the delayed ones inside the forward by copy_, no host sync, no Python branch on their
+values); reset() restores them in place. Python values the compiled forward specializes on:
+`active`, the `which` argument and the `layer` index. Call order: built by GPT (one DelayedScales
+per layer); `resolve(device)` once by the trainer after .to(device) (warns when fp8 was asked for and
+cannot run); `matmul` inside the forward.
 
 Provenance: HEAD modded-nanogpt (facts 1.7): lm head static scales, fast-accumulation forward,
 fp32 grad_w, e5m2 gradients (the `mm_op` custom op, train_gpt.py:70-162, and
-FusedSoftcappedCrossEntropy, triton_kernels.py:1210-1292).
+FusedSoftcappedCrossEntropy, triton_kernels.py:1210-1292); MLP up current activation amax
+(train_gpt.py:1498-1503); MLP down delayed per-layer scales with margins 1.80 / 1.12 and bootstrap
+(PR #342, triton_kernels.py:498-566, 732-779, train_gpt.py:2365).
 Deviations from HEAD:
-- MLP down: current per-tensor amax scales instead of HEAD's delayed per-layer scales (activations
-  amax*1.80/448 from the previous step, weights previous amax*1.12/448, exact "bootstrap" scales in
-  warmup, after reset and for steps < 16): no state and no reset rules, for one extra amax
-  reduction per operand.
-- MLP down backward is fp8 (e5m2 gradient); HEAD keeps the whole MLP backward in bf16.
+- MLP backward is fp8 for both projections (e5m2 gradient, current amax grad_s; grad_x and grad_w
+  from the saved fp8 operands); HEAD keeps the whole MLP backward in bf16 (saved bf16 post, W1, W2).
   TODO(model owner): compare validation loss with HEAD's choice once the GPU path is validated.
-- MLP up projection stays bf16 (HEAD: fp8 with a cached per-layer fp8 weight copy).
+- MLP up weight: re-quantised every forward with its current amax; HEAD keeps a per-layer fp8 copy
+  of all W1 refreshed after each optimizer step (the same scale: weights only change there).
+- MLP down: the delayed scales come from an extra amax reduction per operand in the forward (HEAD:
+  per-SM partial amax written by the fused up kernel); the repeat rule above (HEAD has no
+  self-check re-runs); bootstrap counts forward calls, not steps (the same on 8 GPUs, where HEAD
+  has no gradient accumulation); no cached transposed fp8 W2.
 - Quantisation and the transposed copies run as eager kernels inside the ops (a few memory passes
   over x, w and g) instead of HEAD's fused Triton quantise+transpose kernels.
 - lm head grad_s = 0.75/448 without HEAD's grad_scale (= 1/grad_accum) factor: on one GPU the
   trainer's 1/micro_steps loss scale shifts the gradients 3 octaves down inside e5m2's range
   (normals from 2^-14) instead of rescaling them.
 
-Legend: T tokens, K inner dim, N output dim.
+Legend: T tokens, K inner dim, N output dim, D model dim, F MLP hidden.
 """
 
 import warnings
@@ -81,15 +126,25 @@ E4M3_MAX = FP8_MAX[E4M3]
 LM_HEAD_X_SCALE = 100.0 / E4M3_MAX  # facts 1.7
 LM_HEAD_W_SCALE = 1.6 / E4M3_MAX
 LM_HEAD_GRAD_SCALE = 0.75 / E4M3_MAX
-AMAX_FLOOR = 1e-12  # current-amax scales: max|t| is floored here (all-zero tensors)
+MLP_DOWN_X_MARGIN = 1.80  # facts 1.7 (PR #342): delayed activation scale = prev amax * 1.80 / 448
+MLP_DOWN_W_MARGIN = 1.12  # facts 1.7: delayed weight scale = previous weights' amax * 1.12 / 448
+AMAX_FLOOR = 1e-12  # every amax is floored here (all-zero tensors quantise to zeros, not NaN)
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0: H100/H200)
-SITES = ("lm_head", "mlp_down")  # Fp8Matmuls.matmul(which=...)
+SITES = ("lm_head", "mlp_up", "mlp_down")  # Fp8Matmuls.matmul(which=...)
 DIM_MULTIPLE = 16  # _scaled_mm: T, K and N multiples of 16 (see module docstring)
 
 
 @dataclass(slots=True, kw_only=True)
 class Fp8Config:
-    enabled: bool = False  # fp8 lm head + MLP down on CUDA >= 8.9; off until GPU-validated; --no-fp8
+    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until GPU-validated; --no-fp8
+    # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
+    # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
+    bootstrap_steps: int = 16
+
+    def __post_init__(self):
+        if self.bootstrap_steps < 1:
+            raise ValueError(f"Fp8Config.bootstrap_steps={self.bootstrap_steps} must be >= 1: the "
+                             "first MLP-down call has no previous amax to delay")
 
 
 # ---- quantisation (one definition for the op and the references) ----
@@ -108,11 +163,17 @@ def dequantise(t8: Tensor, scale: Tensor | float) -> Tensor:
     return t8.to(torch.float32) * scale
 
 
+def amax(t: Tensor) -> Tensor:
+    """max|t| floored at AMAX_FLOOR: float32 0-d on t's device, in its own storage, no host sync,
+    no autograd (max is exact, so it does not depend on the reduction order)."""
+    a = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
+    return a.clamp_min(AMAX_FLOOR)
+
+
 def amax_scale(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """Current per-tensor scale max|t| / FP8_MAX[dtype]: float32 0-d on t's device, in its own
-    storage, no host sync. max|t| is floored at AMAX_FLOOR so zeros quantise to zeros."""
-    amax = torch.linalg.vector_norm(t.detach(), ord=float("inf"), dtype=torch.float32)
-    return amax.clamp_min(AMAX_FLOOR) / FP8_MAX[dtype]
+    """Current per-tensor scale amax(t) / FP8_MAX[dtype] (float32 0-d, own storage, no host sync);
+    the floor makes zeros quantise to zeros."""
+    return amax(t) / FP8_MAX[dtype]
 
 
 def fp8_matmul_reference(x: Tensor, w: Tensor, x_s: Tensor | float, w_s: Tensor | float) -> Tensor:
@@ -133,6 +194,22 @@ def fp8_matmul_backward_reference(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor |
     xq = dequantise(quantise(x, x_s, E4M3), x_s)  # [T, K]
     wq = dequantise(quantise(w, w_s, E4M3), w_s)  # [K, N]
     return (gq @ wq.t()).to(torch.bfloat16), xq.t() @ gq
+
+
+def delayed_scales_reference(amaxes: list[float], margin: float, bootstrap_steps: int) -> list[float]:
+    """Slow reference of DelayedScales for one operand: the scale each call of a sequence uses,
+    given the (floored) amax of that call's operand. Plain Python floats (float64), so compare with
+    a float32 tolerance."""
+    used, nxt, out = 1.0, 1.0, []  # initial buffer values (never used: bootstrap_steps >= 1)
+    for k, a in enumerate(amaxes):
+        new_next = a * margin / E4M3_MAX
+        if k < bootstrap_steps:
+            used = a / E4M3_MAX
+        elif new_next != nxt:  # a repeat (same amax as the previous call) keeps the used scale
+            used = nxt
+        nxt = new_next
+        out.append(used)
+    return out
 
 
 # ---- the custom ops ----
@@ -241,10 +318,51 @@ def fp8_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-class Fp8Matmuls(nn.Module):
-    """The lm head's static scale buffers and the matmul that picks fp8 or bf16 per call site."""
+def _delayed_scale(t: Tensor, used: Tensor, nxt: Tensor, margin: float, bootstrap: Tensor) -> Tensor:
+    """The e4m3 scale for operand t under the delayed rule (module docstring), updating the
+    buffers `used` and `nxt` in place. Returns a fresh float32 0-d tensor (own storage), never a
+    buffer: the op saves it for the backward. Device ops only, no host sync, no Python branch."""
+    a = amax(t)  # this call's operand
+    new_next = a * (margin / E4M3_MAX)  # the delayed scale for the next call
+    repeat = new_next == nxt  # same amax as the previous call: a re-run of the same step
+    scale = torch.where(bootstrap, a / E4M3_MAX, torch.where(repeat, used, nxt))
+    used.copy_(scale)
+    nxt.copy_(new_next)
+    return scale
 
-    def __init__(self, cfg: Fp8Config):
+
+class DelayedScales(nn.Module):
+    """One layer's MLP-down scale state (module docstring, "mlp_down"): five 0-d buffers, each a
+    separate registration and therefore a separate storage at offset 0."""
+
+    def __init__(self, bootstrap_steps: int):
+        super().__init__()
+        self.bootstrap_steps = bootstrap_steps
+        for name in ("x_scale_used", "x_scale_next", "w_scale_used", "w_scale_next"):
+            # 1.0: a valid scale, never used for quantising (bootstrap covers the first call)
+            self.register_buffer(name, torch.ones((), dtype=torch.float32))
+        self.register_buffer("bootstrap_left", torch.tensor(bootstrap_steps, dtype=torch.int32))
+
+    def scales(self, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """(x_s, w_s) for this call of x [T, K] @ w [K, N]; advances the state in place."""
+        bootstrap = self.bootstrap_left > 0  # bool 0-d on device
+        x_s = _delayed_scale(x, self.x_scale_used, self.x_scale_next, MLP_DOWN_X_MARGIN, bootstrap)
+        w_s = _delayed_scale(w, self.w_scale_used, self.w_scale_next, MLP_DOWN_W_MARGIN, bootstrap)
+        self.bootstrap_left.copy_((self.bootstrap_left - 1).clamp_min(0))
+        return x_s, w_s
+
+    @torch.no_grad()
+    def reset(self):
+        for name in ("x_scale_used", "x_scale_next", "w_scale_used", "w_scale_next"):
+            getattr(self, name).fill_(1.0)
+        self.bootstrap_left.fill_(self.bootstrap_steps)
+
+
+class Fp8Matmuls(nn.Module):
+    """The lm head's static scale buffers, the MLP down projections' per-layer delayed scales
+    (`mlp_down[i]`), and the matmul that picks fp8 or bf16 per call site."""
+
+    def __init__(self, cfg: Fp8Config, *, num_layers: int):
         super().__init__()
         self.cfg = cfg
         self.active = False  # set by resolve(); False = bf16/fp32 path
@@ -253,6 +371,7 @@ class Fp8Matmuls(nn.Module):
         for name, value in self.initial.items():
             # one registration = one allocation: each scale has its own aligned storage
             self.register_buffer(name, torch.tensor(value, dtype=torch.float32))
+        self.mlp_down = nn.ModuleList(DelayedScales(cfg.bootstrap_steps) for _ in range(num_layers))
 
     def resolve(self, device: torch.device) -> bool:
         """Whether fp8 runs on `device` (enabled, CUDA, capability >= 8.9); warns, naming the device
@@ -268,20 +387,30 @@ class Fp8Matmuls(nn.Module):
                              f"{self.lm_head_x_scale.device}; call resolve after model.to(device)")
         return self.active
 
-    def matmul(self, x: Tensor, w: Tensor, which: str) -> Tensor:
+    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
         """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active: fp8 with the scales of call site
-        `which` ("lm_head": static, "mlp_down": current amax); else x @ w in x's dtype."""
+        `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`, whose
+        buffers this call advances); else x @ w in x's dtype and no buffer is touched. Only the
+        training forward calls this (eval_ce runs plain matmuls)."""
         if which not in SITES:
             raise ValueError(f"Fp8Matmuls.matmul(which={which!r}): one of {SITES}")
+        if which == "mlp_down" and not (layer is not None and 0 <= layer < len(self.mlp_down)):
+            raise ValueError(f"Fp8Matmuls.matmul(which='mlp_down', layer={layer}): the layer index "
+                             f"in [0, {len(self.mlp_down)}) selects the delayed scales")
         if not self.active:
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)
-        else:
+        elif which == "mlp_up":
             out = fp8_matmul(x, w, amax_scale(x, E4M3), amax_scale(w, E4M3), None)
+        else:
+            out = fp8_matmul(x, w, *self.mlp_down[layer].scales(x, w), None)
         return out.to(x.dtype)
 
     @torch.no_grad()
     def reset(self):
+        """Every buffer back to its initial value in place (MLP down: bootstrap again)."""
         for name, value in self.initial.items():
             getattr(self, name).fill_(value)
+        for scales in self.mlp_down:
+            scales.reset()

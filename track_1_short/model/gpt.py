@@ -197,7 +197,7 @@ class GPT(nn.Module):
         self.yarn = Yarn(dh, c.max_position)
         self.yarn_paired_head = Yarn(dh, c.max_position, paired=True)
         self.yarn_wide = Yarn(dh, c.max_position)
-        self.fp8 = Fp8Matmuls(c.fp8)
+        self.fp8 = Fp8Matmuls(c.fp8, num_layers=nl)  # per-layer MLP-down delayed scales
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
 
@@ -267,8 +267,9 @@ class GPT(nn.Module):
 
     def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
                ws_short: int, ws_long: int, max_seq_len: int, use_fp8: bool = False) -> Tensor:
-        """Embedding through the last layer; returns rms_norm(x) [T, D]. use_fp8: the MLP down
-        projections go through self.fp8 (fp8 when resolved active); eval passes False."""
+        """Embedding through the last layer; returns rms_norm(x) [T, D]. use_fp8 (training
+        forward only): the MLP up and down projections go through self.fp8 (fp8 when resolved
+        active); eval passes False, so it never quantises nor advances the delayed scales."""
         c = self.config
         backend = self._backend(inputs.device)
         x = self.embed(inputs)  # [T, D]
@@ -335,6 +336,11 @@ class GPT(nn.Module):
 
     def _mlp_block(self, i: int, x: Tensor, use_fp8: bool) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
-        hidden = F.relu(F.linear(rms_norm(x), w[0])).square()  # [T, F]
-        y = self.fp8.matmul(hidden, w[1], which="mlp_down") if use_fp8 else hidden @ w[1]  # [T, D]
+        xn = rms_norm(x)  # [T, D]
+        # use_fp8 (training forward): fp8 when resolved active, else the same GEMMs as below;
+        # mlp_down advances layer i's delayed scales (fp8.py), so eval must never take this branch
+        up = self.fp8.matmul(xn, w[0].t(), which="mlp_up") if use_fp8 else F.linear(xn, w[0])  # [T, F]
+        hidden = F.relu(up).square()  # [T, F]
+        y = (self.fp8.matmul(hidden, w[1], which="mlp_down", layer=i) if use_fp8
+             else hidden @ w[1])  # [T, D]
         return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y
