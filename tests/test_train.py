@@ -83,6 +83,7 @@ def test_unaligned_checkpoint_is_skipped(shard_dir, tmp_path, capsys):
     (["--preset", "cpu-tiny", "--graphs", "on", "--no-compile"], "--graphs on/check needs"),
     (["--preset", "cpu-tiny", "--max-steps", "0"], "--max-steps"),
     (["--preset", "cpu-tiny", "--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
+    (["--preset", "cpu-tiny", "--warmup-only"], "--warmup-only"),  # cpu-tiny does not compile
 ])
 def test_bad_flags_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -130,7 +131,17 @@ def test_embed_head_untie_at_third_stage(shard_dir, tmp_path):
         loader.close()
 
 
-def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path):
+@pytest.fixture
+def fresh_dynamo():
+    """Compile counts are per process: forget graphs an earlier test compiled for equal shapes."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path, fresh_dynamo):
     """--graphs on through main()'s phases with the CPU stand-in graph backend (aot_eager compile):
     warmup visits capture and self-check every key, the census around the in-place reset passes,
     seal() holds for the timed run, and the losses equal the eager run's."""
@@ -154,3 +165,21 @@ def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path):
     vals_graphs = [v["val_loss"] for v in summary["val_curve"]]
     assert vals_graphs == pytest.approx(vals_eager, rel=1e-4)
     assert _losses(tmp_path / "graphs") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4)
+
+
+def test_warmup_only_compiles_captures_and_exits(shard_dir, tmp_path, fresh_dynamo):
+    """--warmup-only runs main()'s phases up to seal() (every key captured and self-checked, every
+    validation window compiled), writes warmup.json and trains no timed step."""
+    from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
+
+    cfg = micro_config(shard_dir, tmp_path, "warm", compile=True, compile_backend="aot_eager",
+                       warmup_only=True)
+    cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
+    assert train(cfg, graph_backend=RecordingGraphBackend()) == 0
+    run_dir = tmp_path / "warm"
+    result = json.loads((run_dir / "warmup.json").read_text())
+    assert len(result["capture_report"]) == 2
+    assert all(row["self_checks"] == 1 for row in result["capture_report"])
+    assert result["compiles"] == {"warmup": 2 + 2}  # 2 keys, 2 validation windows
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "metrics.jsonl").exists()  # no train step, no validation logged

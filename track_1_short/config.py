@@ -59,6 +59,9 @@ class TrainConfig:
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
     # file exists, rewritten (atomically) at the end of the run. None: inductor's on-disk cache only.
     compile_cache: Path | None = None
+    # Compile, capture and self-check every key (and validation window), then exit before the timed
+    # run: fills the compile caches, so a following run on the same machine starts warm.
+    warmup_only: bool = False
     optimizer: str = "anvil"  # anvil: AnvilAndAdam; adamw: torch.optim.AdamW (baseline)
     adamw_lr: float = 3e-3
     max_steps: int | None = None  # stop after this many steps (default: the whole schedule)
@@ -80,6 +83,11 @@ class TrainConfig:
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
+        if self.warmup_only and not self.compile:
+            raise ValueError("--warmup-only: an uncompiled model has nothing to warm up (drop "
+                             "--no-compile)")
+        if self.warmup_only and self.resume is not None:
+            raise ValueError("--warmup-only with --resume: a warmup-only run trains no step; drop one")
         if self.save_every < 0 or self.log_every < 1:
             raise ValueError("--save-every must be >= 0 and --log-every >= 1")
 
@@ -175,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-cache", type=Path,
                    help="portable compile-cache file: loaded if present, written at the end (lets a "
                         "fresh machine skip most of the compile)")
+    p.add_argument("--warmup-only", action="store_true",
+                   help="compile, capture and self-check every key, write warmup.json, exit (fills "
+                        "the compile caches for a following run on the same machine)")
     p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
                    help="attention backend (default auto: chosen per device and logged)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
@@ -208,6 +219,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.graphs, "check_fraction", args.check_fraction)
     _set(cfg.train, "compile", args.compile)
     _set(cfg.train, "compile_cache", args.compile_cache)
+    if args.warmup_only:
+        cfg.train.warmup_only = True
     _set(cfg.train, "optimizer", args.optimizer)
     _set(cfg.train, "seed", args.seed)
     _set(cfg.train, "max_steps", args.max_steps)

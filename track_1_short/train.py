@@ -452,6 +452,20 @@ def summarize(run: Run, start_step: int) -> dict:
     return summary
 
 
+def _finish_warmup_only(run: Run) -> int:
+    """--warmup-only: every key compiled, captured, self-checked and sealed; write warmup.json."""
+    if run.ctx.is_main:
+        result = {"preset": run.cfg.preset, "git_revision": report.git_revision(),
+                  "world_size": run.ctx.world_size, "micro_steps": run.micro_steps,
+                  "warmup_s": run.warmup_s, "wall_s": time.perf_counter() - run.started,
+                  "compiles": dict(run.compiles), "compile_cache": run.compile_cache,
+                  "capture_report": run.runner.capture_report(), "config": run.cfg.to_dict()}
+        report.write_json_atomic(run.run_dir / "warmup.json", result)
+        print(f"warmup only: {result['compiles'].get('warmup', 0)} graphs compiled in "
+              f"{run.warmup_s:.1f} s; {run.run_dir / 'warmup.json'}", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: flags -> RunConfig (bad flags exit 2) -> train()."""
     return train(config_mod.parse(argv))
@@ -485,6 +499,8 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
             print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
                   flush=True)
         run.runner.seal()
+        if cfg.train.warmup_only:
+            return _finish_warmup_only(run)
         run.model.set_prefix_table(run.prefix_table)
         start_step = 0
         if cfg.train.resume is not None:
