@@ -19,14 +19,16 @@ set_grad_buffer), and the small Adam params of facts 4.2. bf16 parameters (fp32 
 import argparse
 import json
 import statistics
-import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from bench.common import command
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
+from track_1_short.report import write_json_atomic
 
 FULL = dict(dim=768, vocab=50304, qk=64, vo=24, mlp=12, hidden=3072, ve_rows=5 * 50304)
 TINY = dict(dim=64, vocab=512, qk=8, vo=8, mlp=4, hidden=256, ve_rows=5 * 512)
@@ -128,7 +130,7 @@ def main(argv=None):
     math_ms = measure_anvil_math(opt, timer, args.steps)
     step_ms = {k: stats_ms(v) for k, v in times.items() if v}
     result = dict(
-        command=" ".join([sys.executable, *sys.argv]),
+        command=command(),
         machine=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      torch=torch.__version__, cuda=torch.version.cuda, world_size=ctx.world_size,
                      backend=ctx.backend),
@@ -142,8 +144,7 @@ def main(argv=None):
         comm_hidden_even_step=hidden_comm(step_ms.get("even"), comm_even_ms, math_ms),
     )
     if ctx.is_main:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json_atomic(Path(args.out), result)
         print(json.dumps(result["step_ms"], indent=2))
     destroy_distributed()
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import socket
 import statistics
 import sys
@@ -36,9 +35,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench.common import command  # noqa: E402
 from track_1_short.distributed import destroy_distributed, init_distributed  # noqa: E402
 from track_1_short.ngram_table import BOS_ID, NgramConfig, NgramTable  # noqa: E402
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch  # noqa: E402
+from track_1_short.report import write_json_atomic  # noqa: E402
 
 
 class _Batch:
@@ -151,7 +152,7 @@ def _median(rows, key):
 
 
 def _summary(rows, args, world_size, device) -> dict:
-    out = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+    out = {"command": command(),
            "world_size": world_size, "device": str(device), "tokens": args.tokens,
            "steps": args.steps, "smoke": args.smoke, "torch": torch.__version__}
     if device.type == "cuda":
@@ -165,14 +166,6 @@ def _summary(rows, args, world_size, device) -> dict:
     return out
 
 
-def _write(path: Path, data: dict) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
-    return path
-
-
 def _smoke_worker(rank: int, port: int, args, out: str):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -180,7 +173,7 @@ def _smoke_worker(rank: int, port: int, args, out: str):
     ctx = init_distributed(timeout_s=60, device_type="cpu")
     rows = _run(ctx.rank, ctx.world_size, args, ctx.device)
     if ctx.is_main:
-        _write(Path(out), _summary(rows, args, ctx.world_size, ctx.device))
+        write_json_atomic(Path(out), _summary(rows, args, ctx.world_size, ctx.device))
     destroy_distributed()
 
 
@@ -199,9 +192,9 @@ def main(argv: list[str] | None = None) -> Path:
     name = f"row_prefetch_{ctx.device.type}_w{ctx.world_size}.json"
     out = Path(args.out or REPO / "docs" / "results" / name)
     if ctx.is_main:
-        _write(out, _summary(rows, args, ctx.world_size, ctx.device))
-        print(json.dumps({k: v for k, v in _summary(rows, args, ctx.world_size, ctx.device).items()
-                          if k != "per_step"}, indent=1))
+        summary = _summary(rows, args, ctx.world_size, ctx.device)
+        write_json_atomic(out, summary)
+        print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=1))
     destroy_distributed()
     return out
 

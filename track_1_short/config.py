@@ -57,7 +57,8 @@ class TrainConfig:
     compile: bool = True  # torch.compile(fullgraph=True, dynamic=False) the model
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": CPU tests of the graph path)
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
-    # file exists, rewritten (atomically) at the end of the run. None: inductor's on-disk cache only.
+    # file exists, rewritten (atomically) after warmup, where every graph of the run compiles.
+    # None: inductor's on-disk cache only.
     compile_cache: Path | None = None
     # Compile, capture and self-check every key (and validation window), then exit before the timed
     # run: fills the compile caches, so a following run on the same machine starts warm.
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="fp8 lm head / MLP matmuls on CUDA (--no-fp8: bf16)")
     p.add_argument("--compile-cache", type=Path,
-                   help="portable compile-cache file: loaded if present, written at the end (lets a "
+                   help="portable compile-cache file: loaded if present, written after warmup (lets a "
                         "fresh machine skip most of the compile)")
     p.add_argument("--warmup-only", action="store_true",
                    help="compile, capture and self-check every key, write warmup.json, exit (fills "

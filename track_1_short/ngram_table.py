@@ -257,12 +257,16 @@ class NgramTable(nn.Module):
             return None
         self._check_capacity(ids.numel())
         wanted, inverse = ids.unique(return_inverse=True)  # [U], [2T]
-        counts = torch.bincount(wanted // self.rows_per_rank, minlength=self.world_size)  # [W]
-        recv_counts = _exchange_counts(counts, self.group)
-        send_counts = counts.tolist()
+        send_counts, recv_counts = self._owner_counts(wanted)
         served, work = _exchange(wanted, send_counts, recv_counts, self.group, async_op=True)
         return RowRequest(ids=ids, wanted=wanted, inverse=inverse, send_counts=send_counts,
                           recv_counts=recv_counts, served=served, work=work)
+
+    def _owner_counts(self, rows: Tensor) -> tuple[list[int], list[int]]:
+        """Collective: [U] sorted global rows -> (rows this rank sends each owner, rows each rank
+        sends this one), as host ints (the host syncs on them)."""
+        counts = torch.bincount(rows // self.rows_per_rank, minlength=self.world_size)  # [W]
+        return counts.tolist(), _exchange_counts(counts, self.group)
 
     def _pull_rows(self, request: RowRequest) -> Tensor:
         """Phase B (collective): owners send the requested rows -> [U, R] in `wanted` order."""
@@ -337,9 +341,7 @@ class NgramTable(nn.Module):
     def _to_owners(self, rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Collective: [U] global rows + [U, R] grads -> this rank's touched rows (local indices,
         [U']) and their gradient summed over ranks and averaged over W ([U', R])."""
-        counts = torch.bincount(rows // self.rows_per_rank, minlength=self.world_size)  # [W]
-        recv_counts = _exchange_counts(counts, self.group)
-        send_counts = counts.tolist()
+        send_counts, recv_counts = self._owner_counts(rows)
         recv_ids, _ = _exchange(rows, send_counts, recv_counts, self.group)  # [sum recv]
         recv_g, _ = _exchange(g, send_counts, recv_counts, self.group)  # [sum recv, R]
         local, summed = _sum_duplicates(recv_ids - self.row_lo, recv_g)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.perf.cuda_graphs.capture_plan import describe_plan, step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
-from track_1_short.schedule import Schedule
+from track_1_short.schedule import Schedule, StepPlan
 from track_1_short.tokenizer import mergeable_ranks
 
 BF16_PARAMS = ("embed.weight", "lm_head", "qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight")
@@ -65,6 +66,7 @@ class Run:
     optimizer: object  # AnvilAndAdam or AdamWBaseline
     runner: object  # StepGraphs or EagerStep
     micro_steps: int
+    plans: list[StepPlan]  # schedule.plan(step) of every step, made once
     fwd_cfgs: list[ForwardScheduleConfig]
     val_tokens: object
     metrics: report.MetricsLog
@@ -151,11 +153,10 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext):
     return opt
 
 
-def forward_configs(schedule: Schedule, num_steps: int, device: torch.device) -> list[ForwardScheduleConfig]:
+def forward_configs(plans: list[StepPlan], device: torch.device) -> list[ForwardScheduleConfig]:
     """Per-step ForwardScheduleConfig with its tensors made once (no per-step host-to-device copy)."""
     out = []
-    for step in range(num_steps):
-        plan = schedule.plan(step)
+    for plan in plans:
         out.append(ForwardScheduleConfig(
             mtp_weights=torch.tensor(plan.mtp_weights, dtype=torch.float32, device=device),
             prefix_weight=torch.tensor(plan.prefix_weight, dtype=torch.float32, device=device),
@@ -182,8 +183,8 @@ def build(cfg: RunConfig, ctx: DistributedContext, graph_backend=None) -> Run:
     optimizer = build_optimizer(cfg, model, ctx)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:
-        # Every key (and its no-grad self-check, and each validation window) is a recompile of the
-        # same code; past dynamo's default limit (8) it would silently run eager. HEAD uses 64.
+        # Every key and each validation window is a recompile of the same code; past dynamo's
+        # default limit (8) it would silently run eager. HEAD uses 64.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         backend = cfg.train.compile_backend
         forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
@@ -199,9 +200,10 @@ def build(cfg: RunConfig, ctx: DistributedContext, graph_backend=None) -> Run:
     run_dir = cfg.train.runs_dir / run_id
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     val = load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens)
+    plans = [schedule.plan(step) for step in range(num_steps)]
     return Run(cfg=cfg, ctx=ctx, schedule=schedule, num_steps=num_steps, model=model,
                forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer, runner=runner,
-               micro_steps=micro_steps, fwd_cfgs=forward_configs(schedule, num_steps, device),
+               micro_steps=micro_steps, plans=plans, fwd_cfgs=forward_configs(plans, device),
                val_tokens=val, metrics=report.MetricsLog(run_dir, enabled=ctx.is_main),
                run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device),
                prefetch=RowPrefetch(model.ngram_table), untie_step=untie_step(cfg, schedule))
@@ -242,7 +244,7 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
 def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
     """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
     on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps."""
-    plan = run.schedule.plan(step)
+    plan = run.plans[step]
     if plan.window_change is not None:
         run.model.apply_window_change(*plan.window_change)  # YaRN tables in place, scales move
     ngram, fwd_cfg = run.model.ngram_table, run.fwd_cfgs[step]
@@ -299,29 +301,40 @@ def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
 
 # ---------------------------------------------------------------- phases
 
+def _trained_at(run: Run, step: int) -> StepPlan:
+    """The plan of the last step trained before a validation at `step` (step 0: the first): its
+    stage's YaRN state is the live one."""
+    return run.plans[max(min(step, run.num_steps) - 1, 0)]
+
+
 def validation_windows(run: Run, step: int) -> tuple[int, int]:
     """(ws_short, ws_long) of the validation before `step` trains: the windows the model has been
-    trained at so far (step - 1's stage, whose YaRN state is the live one); step 0 uses stage 0's.
-    After the last step (step == num_steps): the schedule's final windows (an extension of the long
-    window at the last stage's YaRN state), or the last step's if --max-steps cut the run short."""
-    sched = run.schedule
-    if step >= run.num_steps:
-        if run.num_steps < sched.num_steps:
-            last = sched.plan(run.num_steps - 1)
-            return last.ws_short, last.ws_long
-        return sched.final_validation_windows()
-    plan = sched.plan(max(step - 1, 0))
+    trained at so far (_trained_at). After the last step (step == num_steps): the schedule's final
+    windows (an extension of the long window at the last stage's YaRN state), or the last step's
+    if --max-steps cut the run short."""
+    if step >= run.num_steps and run.num_steps == run.schedule.num_steps:
+        return run.schedule.final_validation_windows()
+    plan = _trained_at(run, step)
     return plan.ws_short, plan.ws_long
 
 
-def validation_stages(run: Run) -> dict[int, tuple[int, int]]:
+def validation_stages(run: Run) -> dict[int, set[tuple[int, int]]]:
     """Stage index -> validation windows of every validation the timed run makes, keyed by the
     stage whose YaRN state it runs in (the last stage also holds the final validation's)."""
-    sched, out = run.schedule, {}
-    for step in [s for s in range(run.num_steps) if sched.plan(s).validate] + [run.num_steps]:
-        stage = sched.plan(max(min(step, run.num_steps) - 1, 0)).stage_index
-        out.setdefault(stage, set()).add(validation_windows(run, step))
+    out: dict[int, set[tuple[int, int]]] = {}
+    for step in [p.step for p in run.plans if p.validate] + [run.num_steps]:
+        out.setdefault(_trained_at(run, step).stage_index, set()).add(validation_windows(run, step))
     return out
+
+
+@contextmanager
+def _counting_compiles(run: Run, phase: str):
+    """Adds the graphs dynamo compiles inside the block to run.compiles[phase]."""
+    before = compile_cache.graphs_compiled()
+    try:
+        yield
+    finally:
+        run.compiles[phase] = run.compiles.get(phase, 0) + compile_cache.graphs_compiled() - before
 
 
 def _sync(run: Run) -> None:
@@ -337,36 +350,37 @@ def warmup_and_capture(run: Run) -> None:
     if run.ctx.is_main:
         print(describe_plan(run.schedule, keys, visits), flush=True)
     loader = make_loader(run, seed_offset=10_000, steps=visits)
-    t0, compiled0 = time.perf_counter(), compile_cache.graphs_compiled()
+    t0 = time.perf_counter()
     prev_stage = 0
     # Validation windows by stage: each one's eval graph compiles here, in the YaRN state it will
     # run in, so no validation of the timed run stops to compile.
     to_validate = validation_stages(run)
-    try:
-        for step in visits:
-            plan = run.schedule.plan(step)
-            if plan.window_change is None and plan.stage_index != prev_stage:
-                # jumped over the stage's first step: bring YaRN to this stage's window
-                run.model.apply_window_change(run.cfg.schedule.stages[prev_stage].ws_long, plan.ws_long)
-            prev_stage = plan.stage_index
-            loss = train_step(run, step, loader)
-            if run.ctx.is_main:
-                print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f} "
-                      f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-            for ws_short, ws_long in sorted(to_validate.pop(plan.stage_index, ())):
-                evaluate(run, ws_short, ws_long)  # compiles this window's eval graph
+    with _counting_compiles(run, "warmup"):
+        try:
+            for step in visits:
+                plan = run.plans[step]
+                if plan.window_change is None and plan.stage_index != prev_stage:
+                    # jumped over the stage's first step: bring YaRN to this stage's window
+                    run.model.apply_window_change(run.cfg.schedule.stages[prev_stage].ws_long,
+                                                  plan.ws_long)
+                prev_stage = plan.stage_index
+                loss = train_step(run, step, loader)
                 if run.ctx.is_main:
-                    print(f"warmup validation windows ({ws_short}, {ws_long}) compiled "
+                    print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f} "
                           f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-        if to_validate:
-            raise RuntimeError(f"warmup never visited stages {sorted(to_validate)} (validation windows "
-                               f"left uncompiled); the visit plan must reach every stage")
-    finally:
-        loader.close()
-        run.prefetch.reset()  # its pending request belongs to the warmup loader
-    _sync(run)
+                for ws_short, ws_long in sorted(to_validate.pop(plan.stage_index, ())):
+                    evaluate(run, ws_short, ws_long)  # compiles this window's eval graph
+                    if run.ctx.is_main:
+                        print(f"warmup validation windows ({ws_short}, {ws_long}) compiled "
+                              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+            if to_validate:
+                raise RuntimeError(f"warmup never visited stages {sorted(to_validate)} (validation "
+                                   f"windows left uncompiled); the visit plan must reach every stage")
+        finally:
+            loader.close()
+            run.prefetch.reset()  # its pending request belongs to the warmup loader
+        _sync(run)
     run.warmup_s = time.perf_counter() - t0
-    run.compiles["warmup"] = compile_cache.graphs_compiled() - compiled0
     if run.ctx.is_main and run.cfg.train.compile:
         # where the compile time went (dynamo / AOT / inductor phases), for the run log
         print(torch._dynamo.utils.compile_times(repr="str", aggregate=True), flush=True)
@@ -377,11 +391,11 @@ def timed_run(run: Run, start_step: int) -> None:
     run.loader = run.loader or make_loader(run)
     bar = tqdm(range(start_step, run.num_steps), desc="train", disable=not run.ctx.is_main,
                file=sys.stdout, mininterval=1.0)
-    compiled0, val_compiled0 = compile_cache.graphs_compiled(), run.compiles.get("validation", 0)
+    run.compiles.setdefault("timed", 0)
     _sync(run)
     clock = time.perf_counter()
     for step in bar:
-        plan = run.schedule.plan(step)
+        plan = run.plans[step]
         if plan.validate and step > start_step:
             _sync(run)
             run.train_time_s += time.perf_counter() - clock
@@ -389,7 +403,8 @@ def timed_run(run: Run, start_step: int) -> None:
             _sync(run)
             clock = time.perf_counter()
         run.timer.start(step)
-        loss_t = train_step(run, step, run.loader)  # read only at log steps (a host sync)
+        with _counting_compiles(run, "timed"):
+            loss_t = train_step(run, step, run.loader)  # read only at log steps (a host sync)
         run.timer.stop(step)
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
             loss = float(loss_t)
@@ -406,15 +421,11 @@ def timed_run(run: Run, start_step: int) -> None:
     _sync(run)
     run.train_time_s += time.perf_counter() - clock
     bar.close()
-    # training steps only: validations compile their window's eval graph outside the clock
-    val_compiled = run.compiles.get("validation", 0) - val_compiled0
-    run.compiles["timed"] = compile_cache.graphs_compiled() - compiled0 - val_compiled
 
 
 def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
-    compiled0 = compile_cache.graphs_compiled()
-    val = evaluate(run, ws_short, ws_long)
-    run.compiles["validation"] = run.compiles.get("validation", 0) + compile_cache.graphs_compiled() - compiled0
+    with _counting_compiles(run, "validation"):
+        val = evaluate(run, ws_short, ws_long)
     run.val_curve.append({"step": step, "val_loss": val, "train_time_s": run.train_time_s})
     run.metrics.log(kind="val", step=step, val_loss=val, train_time_s=run.train_time_s,
                     ws_short=ws_short, ws_long=ws_long)
@@ -424,44 +435,45 @@ def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
 
 
 def step_times(run: Run) -> list[dict]:
-    return [{"stage": run.schedule.plan(s).stage, "step": s, "step_ms": ms}
+    return [{"stage": run.plans[s].stage, "step": s, "step_ms": ms}
             for s, ms in sorted(run.timer.resolve().items())]
 
 
-def summarize(run: Run, start_step: int) -> dict:
+def _run_facts(run: Run) -> dict:
+    """What every run report starts with (summary.json and warmup.json)."""
     cfg, ctx = run.cfg, run.ctx
-    tokens = sum(run.micro_steps * run.schedule.plan(s).tokens_per_rank for s in range(start_step, run.num_steps))
-    summary = {
+    return {
         "preset": cfg.preset, "git_revision": report.git_revision(),
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-        "world_size": ctx.world_size, "micro_steps": run.micro_steps,
-        "steps": run.num_steps - start_step, "start_step": start_step,
-        "tokens_per_rank": tokens, "train_time_s": run.train_time_s, "warmup_s": run.warmup_s,
+        "world_size": ctx.world_size, "micro_steps": run.micro_steps, "warmup_s": run.warmup_s,
         "wall_s": time.perf_counter() - run.started, "compiles": dict(run.compiles),
-        "compile_cache": run.compile_cache,
-        "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
-        "ms_per_step_by_stage": report.stage_ms_per_step(step_times(run)),
-        "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
-        "epochs_seen": run.loader.epoch if run.loader else 0,
-        "graphs": cfg.graphs.mode, "attention_backend": run.model.attention_backend,
+        "compile_cache": run.compile_cache, "graphs": cfg.graphs.mode,
+        "attention_backend": run.model.attention_backend,
         "capture_report": run.runner.capture_report(),
         "peak_memory_gib": (torch.cuda.max_memory_allocated(ctx.device) / 2**30
                             if ctx.device.type == "cuda" else None),
         "config": cfg.to_dict(),
     }
-    return summary
+
+
+def summarize(run: Run, start_step: int) -> dict:
+    tokens = sum(run.micro_steps * p.tokens_per_rank for p in run.plans[start_step:])
+    return {
+        **_run_facts(run),
+        "steps": run.num_steps - start_step, "start_step": start_step,
+        "tokens_per_rank": tokens, "train_time_s": run.train_time_s,
+        "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
+        "ms_per_step_by_stage": report.stage_ms_per_step(step_times(run)),
+        "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
+        "epochs_seen": run.loader.epoch if run.loader else 0,
+    }
 
 
 def _finish_warmup_only(run: Run) -> int:
     """--warmup-only: every key compiled, captured, self-checked and sealed; write warmup.json."""
     if run.ctx.is_main:
-        result = {"preset": run.cfg.preset, "git_revision": report.git_revision(),
-                  "world_size": run.ctx.world_size, "micro_steps": run.micro_steps,
-                  "warmup_s": run.warmup_s, "wall_s": time.perf_counter() - run.started,
-                  "compiles": dict(run.compiles), "compile_cache": run.compile_cache,
-                  "capture_report": run.runner.capture_report(), "config": run.cfg.to_dict()}
-        report.write_json_atomic(run.run_dir / "warmup.json", result)
-        print(f"warmup only: {result['compiles'].get('warmup', 0)} graphs compiled in "
+        report.write_json_atomic(run.run_dir / "warmup.json", _run_facts(run))
+        print(f"warmup only: {run.compiles.get('warmup', 0)} graphs compiled in "
               f"{run.warmup_s:.1f} s; {run.run_dir / 'warmup.json'}", flush=True)
     return 0
 
@@ -493,8 +505,8 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
             restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
             baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
             if cfg.train.compile_cache and ctx.is_main:
-                # every training key is compiled now: a run stopped later still leaves them cached
-                run.compile_cache["saved_after_warmup"] = compile_cache.save(cfg.train.compile_cache)
+                # every graph of the run is compiled now (the summary's compiles show none later)
+                run.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
         elif ctx.is_main:
             print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
                   flush=True)
@@ -511,8 +523,6 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
         _validate(run, run.num_steps, *validation_windows(run, run.num_steps))
         if cfg.train.save_final:
             save_checkpoint(run, run.num_steps)
-        if cfg.train.compile_cache and ctx.is_main:
-            run.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
         if ctx.is_main:
             summary = summarize(run, start_step)
             report.write_json_atomic(run.run_dir / "summary.json", summary)

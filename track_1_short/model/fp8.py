@@ -163,6 +163,11 @@ def dequantise(t8: Tensor, scale: Tensor | float) -> Tensor:
     return t8.to(torch.float32) * scale
 
 
+def fake_quantise(t: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """The float32 values t has after a round trip through `dtype` (the references' operands)."""
+    return dequantise(quantise(t, scale, dtype), scale)
+
+
 def amax(t: Tensor) -> Tensor:
     """max|t| floored at AMAX_FLOOR: float32 0-d on t's device, in its own storage, no host sync,
     no autograd (max is exact, so it does not depend on the reduction order)."""
@@ -179,9 +184,7 @@ def amax_scale(t: Tensor, dtype: torch.dtype) -> Tensor:
 def fp8_matmul_reference(x: Tensor, w: Tensor, x_s: Tensor | float, w_s: Tensor | float) -> Tensor:
     """Slow reference of the op's forward: dequantised e4m3 operands, float32 matmul, bf16 result.
     x [T, K], w [K, N] -> bf16 [T, N]. Any device, any float dtype."""
-    xq = dequantise(quantise(x, x_s, E4M3), x_s)  # [T, K]
-    wq = dequantise(quantise(w, w_s, E4M3), w_s)  # [K, N]
-    return (xq @ wq).to(torch.bfloat16)
+    return (fake_quantise(x, x_s, E4M3) @ fake_quantise(w, w_s, E4M3)).to(torch.bfloat16)
 
 
 def fp8_matmul_backward_reference(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor | float,
@@ -190,9 +193,9 @@ def fp8_matmul_backward_reference(g: Tensor, x: Tensor, w: Tensor, x_s: Tensor |
     """Slow reference of the op's backward: (grad_x bf16 [T, K], grad_w float32 [K, N]) from the
     output gradient g [T, N] quantised to e5m2 (grad_s None: current amax scale of g)."""
     g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
-    gq = dequantise(quantise(g, g_s, E5M2), g_s)  # [T, N]
-    xq = dequantise(quantise(x, x_s, E4M3), x_s)  # [T, K]
-    wq = dequantise(quantise(w, w_s, E4M3), w_s)  # [K, N]
+    gq = fake_quantise(g, g_s, E5M2)  # [T, N]
+    xq = fake_quantise(x, x_s, E4M3)  # [T, K]
+    wq = fake_quantise(w, w_s, E4M3)  # [K, N]
     return (gq @ wq.t()).to(torch.bfloat16), xq.t() @ gq
 
 
@@ -335,10 +338,12 @@ class DelayedScales(nn.Module):
     """One layer's MLP-down scale state (module docstring, "mlp_down"): five 0-d buffers, each a
     separate registration and therefore a separate storage at offset 0."""
 
+    SCALES = ("x_scale_used", "x_scale_next", "w_scale_used", "w_scale_next")
+
     def __init__(self, bootstrap_steps: int):
         super().__init__()
         self.bootstrap_steps = bootstrap_steps
-        for name in ("x_scale_used", "x_scale_next", "w_scale_used", "w_scale_next"):
+        for name in self.SCALES:
             # 1.0: a valid scale, never used for quantising (bootstrap covers the first call)
             self.register_buffer(name, torch.ones((), dtype=torch.float32))
         self.register_buffer("bootstrap_left", torch.tensor(bootstrap_steps, dtype=torch.int32))
@@ -353,7 +358,7 @@ class DelayedScales(nn.Module):
 
     @torch.no_grad()
     def reset(self):
-        for name in ("x_scale_used", "x_scale_next", "w_scale_used", "w_scale_next"):
+        for name in self.SCALES:
             getattr(self, name).fill_(1.0)
         self.bootstrap_left.fill_(self.bootstrap_steps)
 
@@ -387,17 +392,18 @@ class Fp8Matmuls(nn.Module):
                              f"{self.lm_head_x_scale.device}; call resolve after model.to(device)")
         return self.active
 
-    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
-        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active: fp8 with the scales of call site
-        `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`, whose
-        buffers this call advances); else x @ w in x's dtype and no buffer is touched. Only the
-        training forward calls this (eval_ce runs plain matmuls)."""
+    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None, *,
+               fp8: bool = True) -> Tensor:
+        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active and `fp8`: fp8 with the scales of call
+        site `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`,
+        whose buffers this call advances); else x @ w in x's dtype and no buffer is touched (the
+        eval path passes fp8=False)."""
         if which not in SITES:
             raise ValueError(f"Fp8Matmuls.matmul(which={which!r}): one of {SITES}")
         if which == "mlp_down" and not (layer is not None and 0 <= layer < len(self.mlp_down)):
             raise ValueError(f"Fp8Matmuls.matmul(which='mlp_down', layer={layer}): the layer index "
                              f"in [0, {len(self.mlp_down)}) selects the delayed scales")
-        if not self.active:
+        if not (self.active and fp8):
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)

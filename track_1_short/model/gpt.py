@@ -336,11 +336,9 @@ class GPT(nn.Module):
 
     def _mlp_block(self, i: int, x: Tensor, use_fp8: bool) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
-        xn = rms_norm(x)  # [T, D]
-        # use_fp8 (training forward): fp8 when resolved active, else the same GEMMs as below;
-        # mlp_down advances layer i's delayed scales (fp8.py), so eval must never take this branch
-        up = self.fp8.matmul(xn, w[0].t(), which="mlp_up") if use_fp8 else F.linear(xn, w[0])  # [T, F]
+        # use_fp8 (training forward only): fp8 when resolved active; mlp_down advances layer i's
+        # delayed scales (fp8.py), which eval (use_fp8=False) must never touch
+        up = self.fp8.matmul(rms_norm(x), w[0].t(), "mlp_up", fp8=use_fp8)  # [T, F]
         hidden = F.relu(up).square()  # [T, F]
-        y = (self.fp8.matmul(hidden, w[1], which="mlp_down", layer=i) if use_fp8
-             else hidden @ w[1])  # [T, D]
+        y = self.fp8.matmul(hidden, w[1], "mlp_down", layer=i, fp8=use_fp8)  # [T, D]
         return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y

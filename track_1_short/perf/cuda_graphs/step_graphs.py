@@ -203,6 +203,11 @@ class GradHandoff:
         self.grad_accum_steps = grad_accum_steps
         self.accumulators: dict[nn.Parameter, Tensor] = {}
 
+    @property
+    def loss_scale(self) -> float:
+        """training_loss's grad_scale: each micro-step contributes 1 / grad_accum_steps."""
+        return 1.0 / self.grad_accum_steps
+
     def hand_over(self, step: int, micro_step: int,
                   grads: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
         if not 0 <= micro_step < self.grad_accum_steps:
@@ -319,8 +324,11 @@ class StepGraphs:
     def _loss(self, cs: CapturedStep) -> Tensor:
         s = cs.static
         return training_loss(self.model, s.inputs, s.targets, s.cum_seqlens, s.ngram_slots, cs.cfg,
-                             cs.ngram_sink, self.value_embeds.grad_accum,
-                             1.0 / self.handoff.grad_accum_steps)
+                             cs.ngram_sink, self.value_embeds.grad_accum, self.handoff.loss_scale)
+
+    def _leaves(self, cs: CapturedStep) -> list[Tensor]:
+        """What the captured backward differentiates: every parameter, then the n-gram sink."""
+        return self.params + [cs.ngram_sink]
 
     def _replay(self, graph: Any, timed: bool) -> float | None:
         if not timed:
@@ -417,10 +425,10 @@ class StepGraphs:
             ngram_sink=self.ngram_table.grad_sink(key.tokens),
             attn_scales=self._attn_scales(),
             forward=self.backend.new_graph(), backward=self.backend.new_graph())
-        leaves = self.params + [cs.ngram_sink]
+        leaves = self._leaves(cs)
         start = time.perf_counter()
-        # The warm iterations add into value_embeds' gradient buffer:
-        # harmless, the post-warmup reset clears both.
+        # The warm iterations add into value_embeds' gradient buffer: harmless, the post-warmup
+        # reset clears it.
         eager_ms = warm_up(self.backend, self.stream, lambda: loss_grads(self._loss(cs), leaves),
                            self.config.warm_iterations, self.config.sync_debug_warmup)
         with paused_gc():
@@ -478,8 +486,8 @@ class StepGraphs:
 
     def _check_grads(self, cs: CapturedStep, step: int) -> None:
         """Every gradient the backward replay wrote vs an eager backward on the same buffers."""
-        eager = dict(zip(self.params + [cs.ngram_sink],
-                         loss_grads(self._loss(cs), self.params + [cs.ngram_sink])))
+        leaves = self._leaves(cs)
+        eager = dict(zip(leaves, loss_grads(self._loss(cs), leaves)))
         replayed = [*cs.grads, (cs.ngram_sink, cs.ngram_grad)]
         if any(eager[p] is None for p, _ in replayed):
             raise StepGraphError(f"step {step}: step graph {cs.key}: the eager backward has no "
@@ -573,7 +581,7 @@ class EagerStep:
         sink = self.ngram_table.grad_sink(batch.inputs.numel())
         loss = training_loss(self.model, batch.inputs, batch.targets, batch.cum_seqlens,
                              ngram_slots, cfg, sink, self.value_embeds.grad_accum,
-                             1.0 / self.handoff.grad_accum_steps)
+                             self.handoff.loss_scale)
         self.in_flight = (step, micro_step, loss, sink)
         return loss.detach()
 
