@@ -237,9 +237,10 @@ def summarize(xs: list[float]) -> dict:
             "mean_ms": statistics.fmean(s), "min_ms": s[0], "max_ms": s[-1], "n": len(s)}
 
 
-def device_time_ms(step_fn, num_steps: int, device: torch.device) -> dict:
+def device_time_ms(step_fn, num_steps: int, device: torch.device, top: int = 0) -> dict:
     """Profile num_steps calls (CUDA activity only): summed kernel time per step, and the union of
-    all device activity (kernels, memcpy, memset; overlaps counted once) per step, in ms."""
+    all device activity (kernels, memcpy, memset; overlaps counted once) per step, in ms. top > 0
+    adds "top_kernels": the `top` kernel names by total time, with ms and calls per step."""
     activity = torch.profiler.ProfilerActivity.CUDA
     sync(device)
     with torch.profiler.profile(activities=[activity]) as prof:
@@ -259,9 +260,24 @@ def device_time_ms(step_fn, num_steps: int, device: torch.device) -> dict:
         if b > end:
             union += b - max(a, end)
             end = b
-    return {"kernel_ms": sum(b - a for a, b in kernels) / 1e3 / num_steps,
-            "device_busy_ms": union / 1e3 / num_steps,
-            "kernels_per_step": len(kernels) / num_steps}
+    out = {"kernel_ms": sum(b - a for a, b in kernels) / 1e3 / num_steps,
+           "device_busy_ms": union / 1e3 / num_steps,
+           "kernels_per_step": len(kernels) / num_steps}
+    if top > 0:
+        out["top_kernels"] = top_kernels(events, num_steps, top)
+    return out
+
+
+def top_kernels(events: list[dict], num_steps: int, top: int) -> list[dict]:
+    """The `top` kernel names of a chrome trace by total duration: [{name, ms_per_step,
+    calls_per_step}], largest first (names cut at 200 characters)."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            by_name.setdefault(e.get("name", "?"), []).append(e["dur"])
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return [{"name": name[:200], "ms_per_step": sum(d) / 1e3 / num_steps,
+             "calls_per_step": len(d) / num_steps} for name, d in ranked]
 
 
 def compile_counters() -> dict[str, int]:

@@ -124,7 +124,7 @@ def finish(results: common.Results) -> None:
           f"wrote {results.path}", flush=True)
 
 
-def bench_key(spec, model, fn, device, iters: int, warmup: int) -> dict:
+def bench_key(spec, model, fn, device, iters: int, warmup: int, profile_top: int = 0) -> dict:
     common.set_yarn(model, spec)
     batch, pieces = common.model_batch(spec, model, device, seed=1000 + spec.tokens)
     slots = model.ngram_table.slots_for(batch.inputs)
@@ -147,6 +147,8 @@ def bench_key(spec, model, fn, device, iters: int, warmup: int) -> dict:
     before = common.compile_counters()
     timing = common.time_steps(step, iters, device)
     diff = common.counter_diff(before, common.compile_counters())
+    if profile_top > 0 and device.type == "cuda":  # after the timed loop: timing stays unprofiled
+        timing["profile"] = common.device_time_ms(step, iters, device, top=profile_top)
     return key_record(model.config, spec, pieces, timing, compile_s=compile_s,
                       recompiles_timed=common.recompiles(diff), counters_timed=diff,
                       **common.memory_gib(device))
@@ -158,9 +160,13 @@ def parse(argv):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling one")
     p.add_argument("--out", type=Path, default=Path("docs/results/model_h200.json"))
-    p.add_argument("--no-fp8", action="store_true", help="bf16 matmuls (GPTConfig.fp8.enabled=False)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp8 lm head and MLP matmuls on/off (default: the preset's GPTConfig.fp8)")
     p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"))
     p.add_argument("--no-compile", action="store_true", help="time the uncompiled model")
+    p.add_argument("--profile-top", type=int, default=0, metavar="N",
+                   help="also profile --iters steps (torch.profiler, CUDA): kernel and busy ms per "
+                        "step and the N kernels with the most time")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny config and shapes, no compile")
     args = p.parse_args(argv)
     if args.smoke:
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = common.setup_torch(device)
     specs = common.select_specs(args.keys, args.smoke, half_key=False)
     cfg, model = common.build_bench_model(args.smoke, device, args.attention,
-                                          False if args.no_fp8 else None)
+                                          args.fp8)
     fn = model if args.no_compile else torch.compile(model, fullgraph=True, dynamic=False)
     results = common.Results(args.out, device, bench="model", source="bench/model.py",
                              settings={**settings, "iters": args.iters, "warmup": args.warmup,
@@ -186,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{model.attention_backend}, compile {not args.no_compile}", flush=True)
     for spec in specs:
         row = common.run_guarded(f"key {spec.name}", lambda: bench_key(
-            spec, model, fn, device, args.iters, args.warmup), results.data["errors"])
+            spec, model, fn, device, args.iters, args.warmup, args.profile_top),
+            results.data["errors"])
         if row is not None:
             results.data["keys"][spec.name] = row
             print(f"key {spec.name}: {row['median_ms']:.2f} ms, MFU {row['mfu']:.3f}, compile "

@@ -63,7 +63,7 @@ class StepBench:
     def __init__(self, args, device: torch.device):
         self.args, self.device = args, device
         self.cfg, self.model = common.build_bench_model(args.smoke, device, args.attention,
-                                                        False if args.no_fp8 else None)
+                                                        args.fp8)
         m = self.model
         self.optimizer = AnvilAndAdam(build_param_cfgs(m.named_parameters()), self.cfg.optim,
                                       tied_embed_head=(m.embed.weight, m.lm_head))
@@ -285,7 +285,8 @@ def parse(argv):
     p.add_argument("--also-model-json", type=Path, help="write bench/model.py's JSON here too")
     p.add_argument("--budget-s", type=float, default=0, help="skip units started after this (0: off)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled loops")
-    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp8 lm head and MLP matmuls on/off (default: the preset's GPTConfig.fp8)")
     p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"))
     p.add_argument("--smoke", action="store_true", help="CPU, tiny, stand-in graphs")
     args = p.parse_args(argv)

@@ -97,3 +97,14 @@ def test_synthetic_batch_packing(name):
     starts = cu[cu < t].long()
     assert bool((batch.inputs[starts] == common.BOS_ID).all())
     assert int(batch.inputs.max()) <= common.BOS_ID and max(pieces) <= spec.max_seq_len
+
+
+def test_top_kernels_ranks_by_total_time_per_step():
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
+              {"ph": "X", "cat": "kernel", "name": "quantise", "dur": 100.0},
+              {"ph": "X", "cat": "kernel", "name": "quantise", "dur": 250.0},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "dur": 1000.0},  # not a kernel
+              {"ph": "X", "cat": "kernel", "name": "norm", "dur": 10.0}]
+    assert common.top_kernels(events, num_steps=2, top=2) == [
+        {"name": "quantise", "ms_per_step": 0.175, "calls_per_step": 1.0},
+        {"name": "gemm", "ms_per_step": 0.15, "calls_per_step": 0.5}]

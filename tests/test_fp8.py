@@ -1,7 +1,8 @@
-"""fp8 matmuls on the CPU: quantisation helpers, the slow references against float32 matmuls, the
-custom ops (t1s::fp8_mm, t1s::fp8_mm_backward) against the references, their fake registrations
-(torch.library.opcheck), the op bodies against the CUDA layout rules of torch._scaled_mm (run on
-fake CUDA tensors: torch's CUDA meta function checks row-/column-major operands and multiples of 16),
+"""fp8 matmuls on the CPU: quantisation helpers, the slow references against float32 matmuls,
+fp8_matmul (forward and backward) against the references, the GEMM custom op t1s::scaled_mm (fake
+registration by torch.library.opcheck; its body against the CUDA layout rules of torch._scaled_mm
+for every operand layout, run on fake CUDA tensors: torch's CUDA meta function checks row-/column-
+major operands and multiples of 16), the quantisations traced into the graph (no graph break),
 Fp8Matmuls.resolve / matmul per call site (lm head static, MLP up current, MLP down delayed) /
 reset, the MLP-down delayed scales against `delayed_scales_reference` (bootstrap, repeats,
 saturation, the backward's scales, in-place buffers in their own storages), and
@@ -149,41 +150,66 @@ def test_op_forward_backward_match_reference(site):
     assert wl.grad.dtype == torch.bfloat16 and _rel(wl.grad, ref_w) < 1e-2  # fp32 -> bf16 cast
 
 
-def test_opcheck_fake_and_autograd_registrations():
-    """opcheck's schema and aot-dispatch tests compare/sum every tensor, which the CPU build cannot
-    do for float8 (no sum/allclose kernels): they run where no fp8 tensor is compared (the backward
-    op's aot-dispatch test: fp8 only as inputs); the compiled test below covers the rest."""
-    x, w, g = _operands("mlp_down", t=32, k=32, n=48)
-    x, w = x.requires_grad_(), w.requires_grad_()
-    forward_tests = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for site in ("lm_head", "mlp_down"):
-        torch.library.opcheck(fp8._fp8_mm, (x, w, *_site_scales(site, x, w)), test_utils=forward_tests)
+def test_opcheck_fake_registration():
+    """t1s::scaled_mm's fake registration against its body (fake tensors, AOT dispatch). opcheck's
+    schema test compares the inputs before and after, which the CPU build cannot do for float8
+    tensors (no comparison kernels), so it is left out; the op mutates nothing by construction
+    (mutates_args=())."""
+    x, w, _ = _operands("mlp_down", t=32, k=32, n=48)
     x_s, w_s, _ = _site_scales("mlp_down", x, w)
-    args = (g, quantise(x, x_s, E4M3), quantise(w, w_s, E4M3), x_s, w_s, None)
-    torch.library.opcheck(fp8._fp8_mm_backward, args, test_utils=(
-        "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    a8, b8 = quantise(x, x_s, E4M3), quantise(w, w_s, E4M3)
+    for out_dtype, fast in ((torch.bfloat16, True), (torch.float32, False)):
+        torch.library.opcheck(fp8.scaled_mm, (a8, b8, x_s, w_s, out_dtype, fast),
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_fp8_matmul_has_no_graph_break_and_quantises_in_the_graph():
+    """dynamo traces forward and backward of fp8_matmul into one graph each: the quantisations
+    are graph ops (inductor fuses them into their producers) and every GEMM is t1s::scaled_mm."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    x, w, g = _operands("lm_head", t=32, k=32, n=48)
+    x_s, w_s, grad_s = _site_scales("mlp_up", x, w)
+    backend = AotEagerAndRecordGraphs()
+    fn = torch.compile(lambda x, w: fp8_matmul(x, w, x_s, w_s), backend=backend, fullgraph=True)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fn(xl, wl).backward(g)
+    (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
+    def targets(gm):
+        return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets(fw).count("t1s.scaled_mm.default") == 1
+    assert targets(bw).count("t1s.scaled_mm.default") == 2
+    # quantisation (division by the scale, cast to fp8) is traced in both directions
+    for gm, fp8_dtype in ((fw, "torch.float8_e4m3fn"), (bw, "torch.float8_e5m2")):
+        code = gm.code
+        assert "aten.div" in code and fp8_dtype in code, code
 
 
 @pytest.mark.parametrize("t,k,n", [(2048, 768, 50304), (2048, 3072, 768)])
-def test_op_bodies_meet_cuda_scaled_mm_layout_rules(t, k, n):
-    """The op bodies on fake CUDA tensors: every _scaled_mm call passes torch's CUDA meta checks
-    (first operand row-major, second column-major, dims multiples of 16), at the speedrun shapes
-    (lm head, MLP down), also for a transposed weight view."""
+def test_scaled_mm_body_meets_cuda_layout_rules_for_any_operand_layout(t, k, n):
+    """The op body on fake CUDA tensors: its _scaled_mm call passes torch's CUDA meta checks (first
+    operand row-major, second column-major, dims multiples of 16) at the speedrun shapes (lm head,
+    MLP down) whatever layouts the fp8 operands arrive in (inductor picks the layouts of the tensors
+    it produces): the forward's x8 @ w8 and the backward's g8 @ w8.t() and x8.t() @ g8."""
     with FakeTensorMode():
-        x = torch.empty(t, k, device="cuda", dtype=torch.bfloat16)
         s = torch.ones((), device="cuda")
-        for w in (torch.empty(k, n, device="cuda", dtype=torch.bfloat16),
-                  torch.empty(n, k, device="cuda", dtype=torch.bfloat16).t()):
-            out, x8, w8 = fp8.fp8_mm_forward(x, w, s, amax_scale(w, E4M3), None)
-            assert (out.shape, out.dtype, out.device.type) == ((t, n), torch.bfloat16, "cuda")
-            assert x8.stride() == (k, 1) and w8.stride() == (n, 1)  # as the fake impl promises
-            grad_x, grad_w = fp8.fp8_mm_backward(torch.empty(t, n, device="cuda", dtype=torch.bfloat16),
-                                                 x8, w8, s, s, None)
-            assert (grad_x.shape, grad_x.dtype) == ((t, k), torch.bfloat16)
-            assert (grad_w.shape, grad_w.dtype) == ((k, n), torch.float32)
+
+        def both_layouts(rows, cols):
+            row = torch.empty(rows, cols, device="cuda", dtype=E4M3)
+            return row, torch.empty(cols, rows, device="cuda", dtype=E4M3).t()
+
+        for x8 in both_layouts(t, k):
+            for w8 in both_layouts(k, n):
+                out = fp8.scaled_mm_body(x8, w8, s, s, torch.bfloat16, True)
+                assert (out.shape, out.dtype, out.device.type) == ((t, n), torch.bfloat16, "cuda")
+                for g8 in both_layouts(t, n):
+                    grad_x = fp8.scaled_mm_body(g8, w8.t(), s, s, torch.bfloat16, False)
+                    grad_w = fp8.scaled_mm_body(x8.t(), g8, s, s, torch.float32, False)
+                    assert (grad_x.shape, grad_x.dtype) == ((t, k), torch.bfloat16)
+                    assert (grad_w.shape, grad_w.dtype) == ((k, n), torch.float32)
         # the check is live: a row-major second operand is refused
+        row_x8, row_w8 = both_layouts(t, k)[0], both_layouts(k, n)[0]
         with pytest.raises(RuntimeError, match="col_major"):
-            torch._scaled_mm(x8, w8, s, s, out_dtype=torch.bfloat16)
+            torch._scaled_mm(row_x8, row_w8, s, s, out_dtype=torch.bfloat16)
 
 
 def test_fp8_matmul_rejects_bad_shapes_and_offset_scales():

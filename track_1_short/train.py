@@ -86,36 +86,56 @@ class Run:
 
 
 class StepTimer:
-    """Per-step milliseconds without host syncs: CUDA events around each step, read once the run
-    is over (host clock on CPU, where every op is synchronous anyway)."""
+    """Per-step and per-phase milliseconds without host syncs: a CUDA event at the start of each
+    timed step, at the end of each of its phases (`mark`) and at its end, read once the run is
+    over (host clock on CPU, where every op is synchronous anyway).
+
+    A phase's time is the compute stream's time from the previous mark to its own: its kernels,
+    plus any gap in which the stream waited for the host. Marks of a step that was not started
+    are ignored (warmup steps run the same train_step untimed)."""
+
+    PHASES = ("micro_steps", "optimizer", "ngram_update")  # train_step's marks, in order
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.pending: dict[int, tuple] = {}
+        self.pending: dict[int, list[tuple[str, object]]] = {}
         self.ms: dict[int, float] = {}
+        self.phase_ms: dict[int, dict[str, float]] = {}
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def start(self, step: int) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.pending[step] = (event,)
-        else:
-            self.pending[step] = (time.perf_counter(),)
+        self.pending[step] = [("start", self._now())]
+
+    def mark(self, step: int, phase: str) -> None:
+        """End of `phase` of a started step (no-op for a step that is not timed)."""
+        if step in self.pending:
+            self.pending[step].append((phase, self._now()))
 
     def stop(self, step: int) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.pending[step] += (event,)
-        else:
-            self.ms[step] = (time.perf_counter() - self.pending.pop(step)[0]) * 1e3
+        self.pending[step].append(("end", self._now()))
+        if not self.cuda:
+            self._close(step, self.pending.pop(step))
+
+    def _close(self, step: int, marks: list[tuple[str, object]]) -> None:
+        def elapsed_ms(a, b) -> float:
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        self.ms[step] = elapsed_ms(marks[0][1], marks[-1][1])
+        self.phase_ms[step] = {phase: elapsed_ms(prev, t)
+                               for (_, prev), (phase, t) in zip(marks, marks[1:]) if phase != "end"}
 
     def resolve(self) -> dict[int, float]:
-        """All step times (synchronizes once on CUDA)."""
-        if self.pending and self.cuda:
-            torch.cuda.synchronize()
-            for step, (a, b) in self.pending.items():
-                self.ms[step] = a.elapsed_time(b)
+        """All step times (synchronizes once on CUDA); per-phase times land in `phase_ms`."""
+        if self.pending:
+            if self.cuda:
+                torch.cuda.synchronize()
+            for step, marks in self.pending.items():
+                self._close(step, marks)
             self.pending.clear()
         return self.ms
 
@@ -260,12 +280,15 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
         last = micro == run.micro_steps - 1
         held = run.runner.hold_ngram_grad(ngram_grad, ngram.num_pending, plan.ngram_event and last)
         ngram.hold(held, ids)
+    run.timer.mark(step, "micro_steps")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     run.optimizer.step(step, plan.lr_mul, plan.momentum)
     if step == run.untie_step:
         run.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
+    run.timer.mark(step, "optimizer")
     if plan.ngram_event:
         ngram.update_event(step, plan.lr_mul)  # sparse Adam on the held rows, cache refreshed
+        run.timer.mark(step, "ngram_update")
     return (total / plan.tokens_per_rank).detach()
 
 
@@ -394,6 +417,7 @@ def timed_run(run: Run, start_step: int) -> None:
     run.compiles.setdefault("timed", 0)
     _sync(run)
     clock = time.perf_counter()
+    tokens = 0  # per rank, since start_step (stages differ in tokens per step)
     for step in bar:
         plan = run.plans[step]
         if plan.validate and step > start_step:
@@ -406,10 +430,10 @@ def timed_run(run: Run, start_step: int) -> None:
         with _counting_compiles(run, "timed"):
             loss_t = train_step(run, step, run.loader)  # read only at log steps (a host sync)
         run.timer.stop(step)
+        tokens += run.micro_steps * plan.tokens_per_rank
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
             loss = float(loss_t)
             elapsed = run.train_time_s + time.perf_counter() - clock
-            tokens = (step + 1 - start_step) * run.micro_steps * plan.tokens_per_rank
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
             run.metrics.log(kind="train", step=step, stage=plan.stage, loss=loss,
                             train_time_s=elapsed, lr_mul=plan.lr_mul, epoch=run.loader.epoch)
@@ -435,8 +459,10 @@ def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
 
 
 def step_times(run: Run) -> list[dict]:
-    return [{"stage": run.plans[s].stage, "step": s, "step_ms": ms}
-            for s, ms in sorted(run.timer.resolve().items())]
+    """[{stage, step, step_ms, phase_ms: {phase: ms}}] of every timed step."""
+    ms = run.timer.resolve()
+    return [{"stage": run.plans[s].stage, "step": s, "step_ms": ms[s],
+             "phase_ms": run.timer.phase_ms.get(s, {})} for s in sorted(ms)]
 
 
 def _run_facts(run: Run) -> dict:
@@ -458,12 +484,14 @@ def _run_facts(run: Run) -> dict:
 
 def summarize(run: Run, start_step: int) -> dict:
     tokens = sum(run.micro_steps * p.tokens_per_rank for p in run.plans[start_step:])
+    times = step_times(run)
     return {
         **_run_facts(run),
         "steps": run.num_steps - start_step, "start_step": start_step,
         "tokens_per_rank": tokens, "train_time_s": run.train_time_s,
         "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
-        "ms_per_step_by_stage": report.stage_ms_per_step(step_times(run)),
+        "ms_per_step_by_stage": report.stage_ms_per_step(times),
+        "phase_ms_by_stage": report.stage_phase_ms(times),
         "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
         "epochs_seen": run.loader.epoch if run.loader else 0,
     }

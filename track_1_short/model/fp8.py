@@ -5,11 +5,20 @@ What it replaces: the bf16 GEMMs `x @ lm_head`, `rms_norm(x) @ c_fc^T` and `relu
 GPT.forward's training path (eval_ce never uses fp8 and never touches the scale buffers). Why
 faster: Hopper's fp8 tensor cores have twice the dense bf16 peak (H100/H200 SXM ~1979 vs ~989
 TFLOP/s) and the operands are half the bytes; the lm head GEMM [T, 768] x [768, 50304] is the step's
-largest. Correctness is GPU-tested (tests/test_fp8_gpu.py passed on the H200, 2026-11-30, for the lm
-head and current-scale MLP down: op vs reference and bf16 at the speedrun shapes, compiled, captured
-and replayed, tiny GPT fp8 vs bf16; the MLP up site and the delayed MLP-down scales under capture
-are CPU-tested only, their GPU tests are written but not yet run); speed is not measured yet
-(TODO(model owner): bench/model.py with and without --fp8), so Fp8Config.enabled defaults to False.
+largest. Correctness is GPU-tested: tests/test_fp8_gpu.py, 9 passed on the H200 (2026-11-30): each
+site's op vs the reference and bf16 at the speedrun shapes, compiled vs eager, captured and replayed,
+the delayed MLP-down scales under capture, tiny GPT fp8 vs bf16.
+
+Speed, measured (docs/results/model_{fp8,bf16}_h200_AC.json, bench/model.py --fp8 / --no-fp8, one
+H200 each, same time) with the previous design, where each direction was one opaque custom op that
+quantised inside its body: fp8 was 2.0x SLOWER than bf16 per micro-step (64.5 vs 31.2 ms at key A,
+185.9 vs 93.7 ms at C). Those quantisations ran as separate float32 copy / divide / clamp / cast
+kernels that inductor could not fuse, ~8 passes over each operand, and the lm-head backward did that
+to the [T, 50304] logits gradient (estimated ~67 GB of memory traffic per micro-step at key C). This design
+moves every quantisation into traced code (below), so inductor fuses it into the kernel that
+produces the operand (rms_norm, relu^2, the cross-entropy backward): one fp8 write instead of ~8
+float32 passes. Its speed is NOT measured yet (TODO(model owner): bench/model.py --fp8 --no-fp8
+--profile-top 20 on the H200), so Fp8Config.enabled still defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -23,25 +32,28 @@ is what happens when a delayed scale is too small); `quantise` is that one defin
 `amax_scale` the one definition of a current scale, used by the op, by Fp8Matmuls and by the slow
 references `fp8_matmul_reference` / `fp8_matmul_backward_reference` / `delayed_scales_reference`.
 _scaled_mm returns (A8 @ B8) * scale_a * scale_b, so the scales are dequantisation scales
-(value = fp8 * scale). Both directions are torch.library custom ops (`t1s::fp8_mm`,
-`t1s::fp8_mm_backward`, fake + autograd registered): dynamo traces them without a graph break and
-inductor runs them as opaque extern kernels, so it cannot change the operand layouts cuBLASLt needs;
-their bodies are eager device ops with no host sync and no host-dependent allocation, so they are
-CUDA-graph capturable. x8 and w8 are op outputs saved for the backward (fp8: half the bytes of
-saving bf16 x and w). The scales the op receives are fresh tensors computed in the forward (never
-the persistent buffers themselves), so a buffer updated later in the same forward cannot change
-what the backward reads.
+(value = fp8 * scale). `fp8_matmul` is an autograd.Function that dynamo and AOTAutograd trace
+(no graph break): the quantisations and the gradient's current amax are graph ops, which inductor
+fuses into their producers, and each of the three GEMMs is one call of the torch.library custom op
+`t1s::scaled_mm` (fake registered), which inductor runs as an opaque extern kernel and whose body
+makes the operand layouts cuBLASLt needs itself, so no layout inductor picks for an fp8 tensor can
+break it. Everything is device ops with no host sync and no host-dependent allocation, so it is
+CUDA-graph capturable. x8 and w8 are saved for the backward (fp8: half the bytes of saving bf16 x
+and w; the partitioner may recompute them from x and w instead). The scales the op receives are
+fresh tensors computed in the forward (never the persistent buffers themselves), so a buffer
+updated later in the same forward cannot change what the backward reads.
 
 _scaled_mm layout rules (CUDA; torch's meta function checks them, so tests/test_fp8.py runs the op
 bodies on fake CUDA tensors on the CPU machine): the first operand row-major (strides (K, 1)), the
 second column-major (strides (1, K)); K and both dims of the second operand multiples of 16. Hence
 T, K and N must all be multiples of 16 (grad_w contracts over T); `fp8_matmul` raises otherwise.
-Layouts used: x8 [T, K] row-major; w8 [K, N] row-major, passed forward as `_col_major(w8)` (a
-transposed copy `.t().clone(contiguous).t()`) and backward as `w8.t()` (already column-major
-[N, K]); grad_w gets `_row_major(x8.t())` [K, T] and `_col_major(g8)`. (`.clone(memory_format=
-torch.contiguous_format)` rather than `.contiguous()`: the latter fails on fake CUDA tensors in the
-CPU build, and the copy is needed anyway.) The MLP up weight arrives as the view c_fc.t() [D, F];
-quantise keeps its strides and `_row_major` copies it. The CPU _scaled_mm ignores layouts and fast
+t1s::scaled_mm's body passes `_row_major(a8)` and `_col_major(b8)`, each a copy only when the operand
+is not already in that layout: in the forward x8 @ w8, in the backward g8 @ w8.t() and
+x8.t() @ g8 (with row-major x8 and g8: copies of x8.t() [K, T] and of g8 [T, N], the latter 2.5 GB
+for the lm head at key C). (`.clone(memory_format=torch.contiguous_format)` rather than
+`.contiguous()`: the latter fails on fake CUDA tensors in the CPU build, and the copy is needed
+anyway.) The MLP up weight arrives as the view c_fc.t() [D, F] (column-major); quantise keeps its
+strides, so the forward needs no weight copy. The CPU _scaled_mm ignores layouts and fast
 accumulation.
 
 Scales per call site (`Fp8Matmuls.matmul(x, w, which, layer)`):
@@ -136,7 +148,7 @@ DIM_MULTIPLE = 16  # _scaled_mm: T, K and N multiples of 16 (see module docstrin
 
 @dataclass(slots=True, kw_only=True)
 class Fp8Config:
-    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until GPU-validated; --no-fp8
+    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until its speed is measured (docstring)
     # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
     # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
     bootstrap_steps: int = 16
@@ -215,7 +227,7 @@ def delayed_scales_reference(amaxes: list[float], margin: float, bootstrap_steps
     return out
 
 
-# ---- the custom ops ----
+# ---- the op: quantisation as traced code, each GEMM one opaque custom op ----
 
 def _row_major(t: Tensor) -> Tensor:
     """[R, C] with strides (C, 1): t itself when already so, else a copy."""
@@ -231,83 +243,66 @@ def _check_scale(s: Tensor, name: str):
     # Raised here, not left to cuBLASLt: an offset scale failed with CUBLAS_STATUS_NOT_SUPPORTED.
     if s.dtype != torch.float32 or s.dim() != 0 or s.storage_offset() != 0:
         raise ValueError(f"fp8 scale {name}: needs a float32 0-d tensor in its own storage "
-                         f"(dtype {s.dtype}, dim {s.dim()}, storage offset {s.storage_offset()})")
+                         f"(got dtype {s.dtype}, shape {tuple(s.shape)}, storage offset "
+                         f"{s.storage_offset()}); cuBLASLt refuses offset scales")
 
 
-def fp8_mm_forward(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
-                   grad_s: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Body of t1s::fp8_mm: (out bf16 [T, N], x8 e4m3 [T, K] row-major, w8 e4m3 [K, N] row-major).
-    grad_s is only carried to the backward (None: current amax of the gradient)."""
-    _check_scale(x_s, "x_s")
-    _check_scale(w_s, "w_s")
-    x8 = _row_major(quantise(x, x_s, E4M3))  # [T, K]
-    w8 = _row_major(quantise(w, w_s, E4M3))  # [K, N]; w8.t() is the backward's column-major operand
-    out = torch._scaled_mm(x8, _col_major(w8), x_s, w_s, out_dtype=torch.bfloat16,
-                           use_fast_accum=True)  # [T, N]
-    return out, x8, w8
+def scaled_mm_body(a8: Tensor, b8: Tensor, a_s: Tensor, b_s: Tensor, out_dtype: torch.dtype,
+                   fast_accum: bool) -> Tensor:
+    """Body of t1s::scaled_mm: (a8 [M, K] @ b8 [K, N]) * a_s * b_s -> out_dtype [M, N] (fp8
+    operands, float32 0-d dequantisation scales). The operand layouts cuBLASLt needs are made
+    here, whatever layouts the caller (inductor) produced: a row-major, b column-major, each a
+    copy only when it is not already so."""
+    _check_scale(a_s, "a_s")
+    _check_scale(b_s, "b_s")
+    return torch._scaled_mm(_row_major(a8), _col_major(b8), a_s, b_s, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
-def fp8_mm_backward(g: Tensor, x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor,
-                    grad_s: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Body of t1s::fp8_mm_backward: (grad_x bf16 [T, K], grad_w float32 [K, N]) from the output
-    gradient g [T, N] and the forward's x8 [T, K], w8 [K, N] (both row-major)."""
-    g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
-    _check_scale(g_s, "grad_s")
-    g8 = _row_major(quantise(g, g_s, E5M2))  # [T, N]
-    # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
-    grad_x = torch._scaled_mm(g8, w8.t(), g_s, w_s, out_dtype=torch.bfloat16,
-                              use_fast_accum=False)  # [T, N] @ [N, K] -> [T, K]
-    grad_w = torch._scaled_mm(_row_major(x8.t()), _col_major(g8), x_s, g_s,
-                              out_dtype=torch.float32, use_fast_accum=False)  # [K, T] @ [T, N]
-    return grad_x, grad_w
+scaled_mm = torch.library.custom_op("t1s::scaled_mm", scaled_mm_body, mutates_args=())
 
 
-_fp8_mm = torch.library.custom_op("t1s::fp8_mm", fp8_mm_forward, mutates_args=())
-_fp8_mm_backward = torch.library.custom_op("t1s::fp8_mm_backward", fp8_mm_backward, mutates_args=())
+@scaled_mm.register_fake
+def _scaled_mm_fake(a8, b8, a_s, b_s, out_dtype, fast_accum):
+    return a8.new_empty((a8.shape[0], b8.shape[1]), dtype=out_dtype)
 
 
-@_fp8_mm.register_fake
-def _fp8_mm_fake(x, w, x_s, w_s, grad_s):
-    (t, k), n = x.shape, w.shape[1]
-    return (x.new_empty((t, n), dtype=torch.bfloat16), x.new_empty((t, k), dtype=E4M3),
-            w.new_empty((k, n), dtype=E4M3))
+class _Fp8Matmul(torch.autograd.Function):
+    """x [T, K] @ w [K, N] in fp8 (module docstring, "The op"). Traced by dynamo/AOTAutograd, so
+    the quantisations are graph code that inductor fuses into the kernels producing x, w and the
+    output gradient; the three GEMMs are t1s::scaled_mm calls."""
 
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor | None):
+        x8 = quantise(x, x_s, E4M3)  # [T, K]
+        w8 = quantise(w, w_s, E4M3)  # [K, N]
+        ctx.save_for_backward(x8, w8, x_s, w_s, grad_s)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return scaled_mm(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, N], fast accumulation
 
-@_fp8_mm_backward.register_fake
-def _fp8_mm_backward_fake(g, x8, w8, x_s, w_s, grad_s):
-    (t, n), k = g.shape, x8.shape[1]
-    return g.new_empty((t, k), dtype=torch.bfloat16), g.new_empty((k, n), dtype=torch.float32)
-
-
-def _setup_context(ctx, inputs, output):
-    x, w, x_s, w_s, grad_s = inputs
-    _, x8, w8 = output
-    ctx.mark_non_differentiable(x8, w8)
-    ctx.save_for_backward(x8, w8, x_s, w_s, grad_s)
-    ctx.dtypes = (x.dtype, w.dtype)
-
-
-def _backward(ctx, grad_out, _grad_x8, _grad_w8):
-    x8, w8, x_s, w_s, grad_s = ctx.saved_tensors
-    grad_x, grad_w = _fp8_mm_backward(grad_out, x8, w8, x_s, w_s, grad_s)
-    return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
-
-
-_fp8_mm.register_autograd(_backward, setup_context=_setup_context)
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x8, w8, x_s, w_s, grad_s = ctx.saved_tensors
+        g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
+        g8 = quantise(g, g_s, E5M2)  # [T, N]
+        # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
+        grad_x = scaled_mm(g8, w8.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
+        grad_w = scaled_mm(x8.t(), g8, x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
+        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
 def fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
                grad_s: Tensor | None = None) -> Tensor:
-    """x [T, K] @ w [K, N] -> bf16 [T, N] through t1s::fp8_mm (differentiable in x and w). Scales
-    are float32 0-d tensors on x's device in their own storage; grad_s None = current amax of the
-    gradient. T, K, N must be multiples of 16 (ValueError otherwise)."""
+    """x [T, K] @ w [K, N] -> bf16 [T, N] in fp8 (differentiable in x and w). Scales are float32
+    0-d tensors on x's device in their own storage; grad_s None = current amax of the gradient.
+    T, K, N must be multiples of 16 (ValueError otherwise)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_matmul: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} @ {tuple(w.shape)}")
     dims = (x.shape[0], x.shape[1], w.shape[1])
     if any(d % DIM_MULTIPLE for d in dims):
         raise ValueError(f"fp8_matmul: T, K, N = {dims} must be multiples of {DIM_MULTIPLE} "
                          "(torch._scaled_mm); pad the batch or run with --no-fp8")
-    return _fp8_mm(x, w, x_s, w_s, grad_s)[0]
+    return _Fp8Matmul.apply(x, w, x_s, w_s, grad_s)
 
 
 def fp8_unavailable_reason(device: torch.device) -> str | None:
