@@ -3,6 +3,7 @@ resume, metrics/summary outputs, CLI errors. CPU only, ~1 min; run: pytest tests
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from track_1_short.optim.anvil_config import AnvilConfig
 from track_1_short.perf.cuda_graphs.step_graphs import StepGraphsConfig
 from track_1_short.report import MetricsLog
 from track_1_short.schedule import ScheduleConfig, StageConfig
-from track_1_short.train import StepTimer, train
+from track_1_short.train import StepTimer, deterministic_mode, train
 
 
 def micro_config(data_dir: Path, runs_dir: Path, run_id: str, **train_kw) -> RunConfig:
@@ -81,6 +82,32 @@ def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
     timer.stop(7)
     assert timer.resolve() == {7: pytest.approx(1000.0)}
     assert timer.phase_ms == {7: {"micro_steps": pytest.approx(500.0), "optimizer": pytest.approx(250.0)}}
+
+
+def test_deterministic_mode_is_scoped_to_the_run(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    with deterministic_mode(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.utils.deterministic.fill_uninitialized_memory == fill
+    with deterministic_mode(False):
+        assert not torch.are_deterministic_algorithms_enabled()
+    assert config_mod.parse(["--deterministic"]).train.deterministic
+    assert not config_mod.parse([]).train.deterministic
+
+
+def test_deterministic_run_trains_the_same_on_cpu(shard_dir, tmp_path):
+    """The whole trainer under --deterministic (CPU kernels are deterministic anyway, so the
+    losses equal a plain run's); the mode is off again afterwards."""
+    assert train(micro_config(shard_dir, tmp_path, "plain", max_steps=4)) == 0
+    assert train(micro_config(shard_dir, tmp_path, "det", max_steps=4, deterministic=True)) == 0
+    assert _losses(tmp_path / "det") == _losses(tmp_path / "plain")
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_resume_is_exact(shard_dir, tmp_path):

@@ -73,6 +73,9 @@ class TrainConfig:
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>
     timeout_s: float = 600.0  # collective timeout: a dead rank becomes an error naming it
+    # torch.use_deterministic_algorithms for the run (train.deterministic_mode): run-to-run
+    # reproducible kernels where torch has them (a warning names each op that has none); slower
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -201,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", type=Path, help="where run dirs go (default runs/)")
     p.add_argument("--run-id", help="run dir name (default <preset>-<timestamp>)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels where torch has them (reproducible runs for "
+                        "debugging and tests; slower); ops without one warn, naming the op")
     p.add_argument("--log-every", type=int, help="train-loss log cadence in steps")
     return p
 
@@ -237,6 +243,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         cfg.model.fp8.enabled = args.fp8
     if args.no_save_final:
         cfg.train.save_final = False
+    if args.deterministic:
+        cfg.train.deterministic = True
     # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
     for part in (cfg.data, cfg.train, cfg.graphs, cfg.schedule, cfg.model):
         part.__post_init__()

@@ -17,6 +17,7 @@ optimizer.step (ANVIL every step, Adam every 2nd) -> n-gram update event.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -506,6 +507,31 @@ def _finish_warmup_only(run: Run) -> int:
     return 0
 
 
+@contextmanager
+def deterministic_mode(enabled: bool):
+    """--deterministic: torch.use_deterministic_algorithms(True, warn_only=True) for the run, with
+    cuBLAS's workspace setting it needs (CUBLAS_WORKSPACE_CONFIG, when not set already) and without
+    filling new tensors with NaN (torch's default in this mode; the trainer reads no uninitialised
+    memory, and the fill costs a kernel per allocation). inductor follows the same switch (it
+    falls back to deterministic index_put/scatter instead of atomic adds). Ops with no
+    deterministic kernel warn, naming the op, instead of failing the run. Restores the previous
+    settings on exit, so runs in one process (tests) do not leak the mode."""
+    if not enabled:
+        yield
+        return
+    prev = (torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[2]
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: flags -> RunConfig (bad flags exit 2) -> train()."""
     return train(config_mod.parse(argv))
@@ -514,8 +540,15 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: RunConfig, graph_backend=None) -> int:
     """The whole run in its phases; returns the process exit code (2: bad data or checkpoint).
     graph_backend: see build()."""
+    with deterministic_mode(cfg.train.deterministic):
+        return _train(cfg, graph_backend)
+
+
+def _train(cfg: RunConfig, graph_backend) -> int:
     started = time.perf_counter()
     ctx = init_distributed(cfg.train.timeout_s, None if cfg.train.device == "auto" else cfg.train.device)
+    if ctx.is_main and cfg.train.deterministic:
+        print("deterministic mode: torch.use_deterministic_algorithms(True, warn_only=True)", flush=True)
     try:
         cache_log = compile_cache.load(cfg.train.compile_cache) if cfg.train.compile_cache else {}
         run = build(cfg, ctx, graph_backend)
