@@ -93,9 +93,8 @@ class StepTimer:
 
     A phase's time is the compute stream's time from the previous mark to its own: its kernels,
     plus any gap in which the stream waited for the host. Marks of a step that was not started
-    are ignored (warmup steps run the same train_step untimed)."""
-
-    PHASES = ("micro_steps", "optimizer", "ngram_update")  # train_step's marks, in order
+    are ignored (warmup steps run the same train_step untimed). train_step's marks, in order:
+    micro_steps, optimizer, ngram_update (event steps only)."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
