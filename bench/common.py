@@ -270,13 +270,13 @@ def device_time_ms(step_fn, num_steps: int, device: torch.device, top: int = 0) 
 
 def top_kernels(events: list[dict], num_steps: int, top: int) -> list[dict]:
     """The `top` kernel names of a chrome trace by total duration: [{name, ms_per_step,
-    calls_per_step}], largest first (names cut at 200 characters)."""
+    calls_per_step}], largest first (names cut at 200 characters, then grouped)."""
     by_name: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
-            by_name.setdefault(e.get("name", "?"), []).append(e["dur"])
+            by_name.setdefault(e.get("name", "?")[:200], []).append(e["dur"])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return [{"name": name[:200], "ms_per_step": sum(d) / 1e3 / num_steps,
+    return [{"name": name, "ms_per_step": sum(d) / 1e3 / num_steps,
              "calls_per_step": len(d) / num_steps} for name, d in ranked]
 
 

@@ -37,6 +37,7 @@ def test_compare_reports_differences_against_the_first_run(tmp_path):
     assert v["train_time_s_diff"] == pytest.approx(-10.0) and v["train_time_ratio"] == pytest.approx(0.9)
     assert v["stages"]["A"] == {"median_ms_diff": pytest.approx(-30.0), "ratio": pytest.approx(0.9)}
     assert v["stages"]["B"]["ratio"] == pytest.approx(1.0)
+    assert v["stages_unmatched"] == []
     assert result["ms_per_step_by_stage"] == {"off": {"A": 300.0, "B": 600.0},
                                               "on": {"A": 270.0, "B": 600.0}}
     assert result["runs"]["off"]["graphs"] == "off" and result["runs"]["on"]["graphs"] == "on"
@@ -59,6 +60,17 @@ def test_compare_names_a_missing_summary(tmp_path):
     (tmp_path / "b").mkdir()
     with pytest.raises(ValueError, match=r"b/summary.json does not exist"):
         report.compare_runs({"a": a, "b": tmp_path / "b"}, tmp_path / "cmp")
+
+
+def test_compare_names_a_summary_that_is_not_a_trainer_summary_and_unmatched_stages(tmp_path):
+    a = _run_dir(tmp_path, "a", _summary(100.0, {"A": 300.0, "B": 500.0}))
+    bad = _run_dir(tmp_path, "bad", {"preset": "small-gpu"})
+    with pytest.raises(ValueError, match=r"has no \['train_time_s', 'ms_per_step_by_stage'\]"):
+        report.compare_runs({"a": a, "bad": bad}, tmp_path / "cmp")
+    b = _run_dir(tmp_path, "b", _summary(100.0, {"A": 300.0, "C": 900.0}))
+    result = report.compare_runs({"a": a, "b": b}, tmp_path / "cmp")
+    assert set(result["versus_baseline"]["b"]["stages"]) == {"A"}
+    assert result["versus_baseline"]["b"]["stages_unmatched"] == ["B", "C"]
 
 
 def test_cli_writes_the_comparison_and_rejects_bad_run_specs(tmp_path, capsys):

@@ -95,6 +95,7 @@ def test_deterministic_mode_is_scoped_to_the_run(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.utils.deterministic.fill_uninitialized_memory == fill
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     with deterministic_mode(False):
         assert not torch.are_deterministic_algorithms_enabled()
     assert config_mod.parse(["--deterministic"]).train.deterministic
@@ -119,6 +120,11 @@ def test_resume_is_exact(shard_dir, tmp_path):
     full, first, resumed = (_losses(tmp_path / n) for n in ("full", "first", "resumed"))
     assert {s: full[s] for s in range(8)} == first
     assert {s: full[s] for s in range(8, 12)} == resumed, "resumed run continues exactly"
+    # the clock continues from the checkpoint; tokens/s counts this process's steps and time only
+    first_s, res = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("first", "resumed"))
+    assert res["train_time_s"] == pytest.approx(first_s["train_time_s"] + res["train_time_this_process_s"])
+    assert res["tokens_per_s_per_gpu"] == pytest.approx(
+        res["tokens_per_rank"] / res["train_time_this_process_s"])
 
 
 def test_unaligned_checkpoint_is_skipped(shard_dir, tmp_path, capsys):

@@ -26,6 +26,7 @@ GPT-2 tokenizer, as ./test.sh prepares them).
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -89,17 +90,24 @@ def test_resume_continues_the_run(runs):
 
 @pytest.fixture(scope="module")
 def deterministic_runs(embedded_dir, tmp_path_factory):
+    """Both runs with --deterministic; also the warnings torch gave for ops that have no
+    deterministic kernel (warn_only mode), so a failure below names them."""
     runs_dir = tmp_path_factory.mktemp("det_runs")
-    on = _run(embedded_dir, runs_dir, "on", "--graphs", "on", "--deterministic",
-              "--save-every", str(RESUME_AT))
-    ckpt = on["dir"] / f"ckpt_step{RESUME_AT:06d}"
-    resumed = _run(embedded_dir, runs_dir, "resumed", "--graphs", "on", "--deterministic",
-                   "--resume", str(ckpt))
-    return on, resumed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on = _run(embedded_dir, runs_dir, "on", "--graphs", "on", "--deterministic",
+                  "--save-every", str(RESUME_AT))
+        ckpt = on["dir"] / f"ckpt_step{RESUME_AT:06d}"
+        resumed = _run(embedded_dir, runs_dir, "resumed", "--graphs", "on", "--deterministic",
+                       "--resume", str(ckpt))
+    nondeterministic = sorted({str(w.message) for w in caught
+                               if "does not have a deterministic implementation" in str(w.message)})
+    return on, resumed, nondeterministic
 
 
 def test_deterministic_resume_is_exact(deterministic_runs):
-    on, resumed = deterministic_runs
+    on, resumed, nondeterministic = deterministic_runs
+    assert not nondeterministic, f"ops without a deterministic kernel: {nondeterministic}"
     assert sorted(resumed["losses"]) == list(range(RESUME_AT, STEPS))
     diffs = {s: abs(resumed["losses"][s] - on["losses"][s]) for s in range(RESUME_AT, STEPS)}
     worst = max(diffs, key=diffs.get)

@@ -191,6 +191,11 @@ def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
             raise ValueError(f"compare_runs: {path} does not exist (run {label!r} did not finish, "
                              "or the path is not a run directory)")
         summaries[label] = json.loads(path.read_text())
+        missing = [k for k in ("preset", "train_time_s", "ms_per_step_by_stage")
+                   if k not in summaries[label]]
+        if missing:
+            raise ValueError(f"compare_runs: {path} has no {missing} (not a trainer summary, or "
+                             "one from an older trainer)")
     (base_label, base), *others = summaries.items()
     for field_name in ("preset", "world_size", "micro_steps", "steps", "start_step"):
         for label, s in others:
@@ -216,7 +221,9 @@ def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
         result["versus_baseline"][label] = {
             "train_time_s_diff": s["train_time_s"] - base["train_time_s"],
             "train_time_ratio": s["train_time_s"] / base["train_time_s"],
-            "stages": stages}
+            "stages": stages,
+            # stages timed in only one of the two runs (not compared)
+            "stages_unmatched": sorted(set(base["ms_per_step_by_stage"]) ^ set(s["ms_per_step_by_stage"]))}
     out_dir = Path(out_dir)
     write_json_atomic(out_dir / "compare.json", result)
     plot_compare(summaries, out_dir / "ms_per_step_compare.png")

@@ -76,7 +76,8 @@ class Run:
     prefetch: RowPrefetch
     untie_step: int | None  # embed / lm_head untie after this step's update (None: never)
     loader: LookaheadLoader | None = None
-    train_time_s: float = 0.0
+    train_time_s: float = 0.0  # the run's clock, including a resumed checkpoint's time
+    resumed_train_time_s: float = 0.0  # train_time_s when this process's timed run started
     timer: "StepTimer" = None
     val_curve: list[dict] = field(default_factory=list)
     warmup_s: float = 0.0
@@ -418,6 +419,7 @@ def timed_run(run: Run, start_step: int) -> None:
     _sync(run)
     clock = time.perf_counter()
     tokens = 0  # per rank, since start_step (stages differ in tokens per step)
+    run.resumed_train_time_s = run.train_time_s  # > 0 after --resume: not this process's time
     for step in bar:
         plan = run.plans[step]
         if plan.validate and step > start_step:
@@ -434,7 +436,8 @@ def timed_run(run: Run, start_step: int) -> None:
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
             loss = float(loss_t)
             elapsed = run.train_time_s + time.perf_counter() - clock
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(elapsed, 1e-9):.0f}")
+            this_process = elapsed - run.resumed_train_time_s
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(this_process, 1e-9):.0f}")
             run.metrics.log(kind="train", step=step, stage=plan.stage, loss=loss,
                             train_time_s=elapsed, lr_mul=plan.lr_mul, epoch=run.loader.epoch)
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
@@ -489,7 +492,10 @@ def summarize(run: Run, start_step: int) -> dict:
         **_run_facts(run),
         "steps": run.num_steps - start_step, "start_step": start_step,
         "tokens_per_rank": tokens, "train_time_s": run.train_time_s,
-        "tokens_per_s_per_gpu": tokens / max(run.train_time_s, 1e-9),
+        # tokens of this process's steps over this process's train time (a resumed run's clock
+        # also holds the checkpoint's time)
+        "train_time_this_process_s": run.train_time_s - run.resumed_train_time_s,
+        "tokens_per_s_per_gpu": tokens / max(run.train_time_s - run.resumed_train_time_s, 1e-9),
         "ms_per_step_by_stage": report.stage_ms_per_step(times),
         "phase_ms_by_stage": report.stage_phase_ms(times),
         "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
@@ -520,7 +526,8 @@ def deterministic_mode(enabled: bool):
         return
     prev = (torch.are_deterministic_algorithms_enabled(),
             torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.utils.deterministic.fill_uninitialized_memory)
+            torch.utils.deterministic.fill_uninitialized_memory,
+            os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -529,6 +536,8 @@ def deterministic_mode(enabled: bool):
     finally:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
         torch.utils.deterministic.fill_uninitialized_memory = prev[2]
+        if prev[3] is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
 def main(argv: list[str] | None = None) -> int:
