@@ -19,13 +19,11 @@ Legend: T tokens per rank per micro-step, C cu_seqlens rows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,6 +36,7 @@ from track_1_short import config as config_mod
 from track_1_short.data import BOS_ID, GPT2_VOCAB, Batch
 from track_1_short.model.gpt import ForwardScheduleConfig, GPTConfig
 from track_1_short.ngram_table import NgramConfig
+from track_1_short.perf import profiling
 from track_1_short.report import git_revision, write_json_atomic
 from track_1_short.schedule import SPEEDRUN_STAGES
 
@@ -238,46 +237,15 @@ def summarize(xs: list[float]) -> dict:
 
 
 def device_time_ms(step_fn, num_steps: int, device: torch.device, top: int = 0) -> dict:
-    """Profile num_steps calls (CUDA activity only): summed kernel time per step, and the union of
-    all device activity (kernels, memcpy, memset; overlaps counted once) per step, in ms. top > 0
-    adds "top_kernels": the `top` kernel names by total time, with ms and calls per step."""
-    activity = torch.profiler.ProfilerActivity.CUDA
+    """Profile num_steps calls (CUDA activity only) and summarise them with
+    profiling.kernel_stats: kernel ms, device-busy ms (interval union) and launches per step;
+    top > 0 adds the `top` kernels by total time."""
     sync(device)
-    with torch.profiler.profile(activities=[activity]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i in range(num_steps):
             step_fn(i)
         sync(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events
-               if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                  if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    union, end = 0.0, float("-inf")
-    for a, b in busy:
-        if b > end:
-            union += b - max(a, end)
-            end = b
-    out = {"kernel_ms": sum(b - a for a, b in kernels) / 1e3 / num_steps,
-           "device_busy_ms": union / 1e3 / num_steps,
-           "kernels_per_step": len(kernels) / num_steps}
-    if top > 0:
-        out["top_kernels"] = top_kernels(events, num_steps, top)
-    return out
-
-
-def top_kernels(events: list[dict], num_steps: int, top: int) -> list[dict]:
-    """The `top` kernel names of a chrome trace by total duration: [{name, ms_per_step,
-    calls_per_step}], largest first (names cut at 200 characters, then grouped)."""
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            by_name.setdefault(e.get("name", "?")[:200], []).append(e["dur"])
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return [{"name": name, "ms_per_step": sum(d) / 1e3 / num_steps,
-             "calls_per_step": len(d) / num_steps} for name, d in ranked]
+    return profiling.kernel_stats(profiling.trace_events(prof), num_steps, top)
 
 
 def compile_counters() -> dict[str, int]:

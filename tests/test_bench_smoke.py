@@ -21,6 +21,7 @@ import torch
 
 from bench import common
 from bench import model as model_bench
+from track_1_short.perf import profiling
 from track_1_short.model.gpt import GPTConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,12 +100,17 @@ def test_synthetic_batch_packing(name):
     assert int(batch.inputs.max()) <= common.BOS_ID and max(pieces) <= spec.max_seq_len
 
 
-def test_top_kernels_ranks_by_total_time_per_step():
+def test_kernel_stats_rank_kernels_and_count_overlaps_once():
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
               {"ph": "X", "cat": "kernel", "name": "quantise", "dur": 100.0},
               {"ph": "X", "cat": "kernel", "name": "quantise", "dur": 250.0},
               {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "dur": 1000.0},  # not a kernel
               {"ph": "X", "cat": "kernel", "name": "norm", "dur": 10.0}]
-    assert common.top_kernels(events, num_steps=2, top=2) == [
+    assert profiling.top_kernels(events, num_steps=2, top=2) == [
         {"name": "quantise", "ms_per_step": 0.175, "calls_per_step": 1.0},
         {"name": "gemm", "ms_per_step": 0.15, "calls_per_step": 0.5}]
+    timed = [{"ph": "X", "cat": "kernel", "name": "a", "ts": 0.0, "dur": 100.0},
+             {"ph": "X", "cat": "kernel", "name": "b", "ts": 50.0, "dur": 100.0},  # overlaps a
+             {"ph": "X", "cat": "gpu_memcpy", "name": "h2d", "ts": 300.0, "dur": 50.0}]
+    stats = profiling.kernel_stats(timed, num_steps=1)
+    assert stats == {"kernel_ms": 0.2, "device_busy_ms": 0.2, "kernels_per_step": 2.0}

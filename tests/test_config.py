@@ -24,6 +24,9 @@ def test_data_config_rules(kwargs, needle):
     (dict(max_steps=0), "--max-steps"),
     (dict(save_every=-1), "--save-every"),
     (dict(log_every=0), "--log-every"),
+    (dict(profile_steps=(5, 5)), "--profile-steps 5:5"),
+    (dict(profile_steps=(-1, 2)), "--profile-steps -1:2"),
+    (dict(profile_steps=(0, 50)), "at most 20 steps"),
 ])
 def test_train_config_rules(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

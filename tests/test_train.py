@@ -111,6 +111,21 @@ def test_deterministic_run_trains_the_same_on_cpu(shard_dir, tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_profile_steps_write_a_trace_and_kernel_stats(shard_dir, tmp_path, capsys):
+    """--profile-steps on CPU: the window's chrome trace and profile.json land in the run dir and
+    the summary (kernel statistics are zero without a GPU); a window outside the run is refused
+    before any work, naming the flag."""
+    assert train(micro_config(shard_dir, tmp_path, "prof", max_steps=4, profile_steps=(1, 3))) == 0
+    run_dir = tmp_path / "prof"
+    profile = json.loads((run_dir / "profile.json").read_text())
+    assert profile["steps"] == [1, 3] and profile["kernels_per_step"] == 0
+    assert (run_dir / profile["trace"]).stat().st_size > 100
+    assert json.loads((run_dir / "summary.json").read_text())["profile"] == profile
+    assert train(micro_config(shard_dir, tmp_path, "late", max_steps=4, profile_steps=(3, 6))) == 2
+    assert "--profile-steps 3:6: outside this run's timed steps [0, 4)" in capsys.readouterr().err
+    assert not (tmp_path / "late" / "summary.json").exists()
+
+
 def test_resume_is_exact(shard_dir, tmp_path):
     assert train(micro_config(shard_dir, tmp_path, "full")) == 0
     assert train(micro_config(shard_dir, tmp_path, "first", max_steps=8)) == 0
@@ -140,6 +155,7 @@ def test_unaligned_checkpoint_is_skipped(shard_dir, tmp_path, capsys):
     (["--preset", "cpu-tiny", "--max-steps", "0"], "--max-steps"),
     (["--preset", "cpu-tiny", "--resume", "/nonexistent/ckpt"], "not a complete checkpoint"),
     (["--preset", "cpu-tiny", "--warmup-only"], "--warmup-only"),  # cpu-tiny does not compile
+    (["--preset", "cpu-tiny", "--profile-steps", "7"], "expected START:END"),
 ])
 def test_bad_flags_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:

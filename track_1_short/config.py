@@ -31,6 +31,7 @@ from track_1_short.schedule import SPEEDRUN_STAGES, ScheduleConfig, StageConfig
 
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
+MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 
 
 @dataclass(slots=True, kw_only=True)
@@ -76,6 +77,9 @@ class TrainConfig:
     # torch.use_deterministic_algorithms for the run (train.deterministic_mode): run-to-run
     # reproducible kernels where torch has them (a warning names each op that has none); slower
     deterministic: bool = False
+    # --profile-steps START:END: torch.profiler over timed steps [START, END) on rank 0
+    # (perf/profiling.py: a chrome trace and profile.json in the run dir; the summary's "profile")
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -84,6 +88,11 @@ class TrainConfig:
             raise ValueError(f"--device={self.device!r}: one of auto, cuda, cpu")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps={self.max_steps} must be >= 1")
+        if self.profile_steps is not None:
+            start, end = self.profile_steps
+            if not 0 <= start < end or end - start > MAX_PROFILE_STEPS:
+                raise ValueError(f"--profile-steps {start}:{end}: needs 0 <= START < END and at most "
+                                 f"{MAX_PROFILE_STEPS} steps (a trace of more is too large to read)")
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
@@ -204,11 +213,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", type=Path, help="where run dirs go (default runs/)")
     p.add_argument("--run-id", help="run dir name (default <preset>-<timestamp>)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--profile-steps", type=_step_range, metavar="START:END",
+                   help="torch.profiler over timed steps [START, END) (rank 0): chrome trace and "
+                        "profile.json (kernel time, busy time, top kernels) in the run dir")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic kernels where torch has them (reproducible runs for "
                         "debugging and tests; slower); ops without one warn, naming the op")
     p.add_argument("--log-every", type=int, help="train-loss log cadence in steps")
     return p
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """'START:END' -> (START, END) for --profile-steps."""
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(start), int(end)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected START:END, e.g. 130:132") from None
 
 
 def _set(obj, name: str, value) -> None:
@@ -245,6 +268,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         cfg.train.save_final = False
     if args.deterministic:
         cfg.train.deterministic = True
+    _set(cfg.train, "profile_steps", args.profile_steps)
     # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
     for part in (cfg.data, cfg.train, cfg.graphs, cfg.schedule, cfg.model):
         part.__post_init__()

@@ -38,6 +38,7 @@ from track_1_short.data import (DataError, SliceShape, load_val_tokens, make_tra
 from track_1_short.distributed import DistributedContext, destroy_distributed, init_distributed
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
 from track_1_short.model.loss import build_prefix_table
+from track_1_short.perf.profiling import StepProfiler
 from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
@@ -78,6 +79,7 @@ class Run:
     loader: LookaheadLoader | None = None
     train_time_s: float = 0.0  # the run's clock, including a resumed checkpoint's time
     resumed_train_time_s: float = 0.0  # train_time_s when this process's timed run started
+    profile: dict | None = None  # --profile-steps: the profiled window's kernel statistics
     timer: "StepTimer" = None
     val_curve: list[dict] = field(default_factory=list)
     warmup_s: float = 0.0
@@ -420,6 +422,7 @@ def timed_run(run: Run, start_step: int) -> None:
     clock = time.perf_counter()
     tokens = 0  # per rank, since start_step (stages differ in tokens per step)
     run.resumed_train_time_s = run.train_time_s  # > 0 after --resume: not this process's time
+    profiler = _step_profiler(run, start_step)
     for step in bar:
         plan = run.plans[step]
         if plan.validate and step > start_step:
@@ -428,11 +431,21 @@ def timed_run(run: Run, start_step: int) -> None:
             _validate(run, step, *validation_windows(run, step))
             _sync(run)
             clock = time.perf_counter()
+        if profiler is not None:
+            profiler.before(step)
         run.timer.start(step)
         with _counting_compiles(run, "timed"):
             loss_t = train_step(run, step, run.loader)  # read only at log steps (a host sync)
         run.timer.stop(step)
         tokens += run.micro_steps * plan.tokens_per_rank
+        if profiler is not None and step == profiler.end - 1:
+            _sync(run)  # the trace export is not training time
+            run.train_time_s += time.perf_counter() - clock
+            run.profile = profiler.after(step)
+            tqdm.write(f"profiled steps {profiler.start}-{step}: {run.profile['kernel_ms']:.1f} ms of "
+                       f"kernels, {run.profile['device_busy_ms']:.1f} ms busy per step; "
+                       f"{run.run_dir / 'profile.json'}")
+            clock = time.perf_counter()
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
             loss = float(loss_t)
             elapsed = run.train_time_s + time.perf_counter() - clock
@@ -448,6 +461,23 @@ def timed_run(run: Run, start_step: int) -> None:
     _sync(run)
     run.train_time_s += time.perf_counter() - clock
     bar.close()
+
+
+def _profile_window_error(run: Run, start_step: int) -> str | None:
+    """Why --profile-steps does not fit this run's timed steps (None: it fits or is unset)."""
+    window = run.cfg.train.profile_steps
+    if window is not None and not start_step <= window[0] < window[1] <= run.num_steps:
+        return (f"--profile-steps {window[0]}:{window[1]}: outside this run's timed steps "
+                f"[{start_step}, {run.num_steps}); pick a window inside them")
+    return None
+
+
+def _step_profiler(run: Run, start_step: int) -> StepProfiler | None:
+    """--profile-steps on rank 0 (checked by _profile_window_error before the timed run)."""
+    window = run.cfg.train.profile_steps
+    if window is None or not run.ctx.is_main:
+        return None
+    return StepProfiler(*window, run.run_dir, cuda=run.ctx.device.type == "cuda")
 
 
 def _validate(run: Run, step: int, ws_short: int, ws_long: int) -> float:
@@ -498,6 +528,7 @@ def summarize(run: Run, start_step: int) -> dict:
         "tokens_per_s_per_gpu": tokens / max(run.train_time_s - run.resumed_train_time_s, 1e-9),
         "ms_per_step_by_stage": report.stage_ms_per_step(times),
         "phase_ms_by_stage": report.stage_phase_ms(times),
+        "profile": run.profile,  # --profile-steps (those steps also ran slower: profiler overhead)
         "val_curve": run.val_curve, "final_val_loss": run.val_curve[-1]["val_loss"] if run.val_curve else None,
         "epochs_seen": run.loader.epoch if run.loader else 0,
     }
@@ -567,6 +598,10 @@ def _train(cfg: RunConfig, graph_backend) -> int:
             print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
                   f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
             report.write_json_atomic(run.run_dir / "config.json", cfg.to_dict())
+        bad_window = _profile_window_error(run, 0)  # before the warmup's minutes of compiling
+        if bad_window:
+            print(f"error: {bad_window}", file=sys.stderr)
+            return 2
         initial = snapshot_state(run)
         if cfg.train.compile or cfg.graphs.mode != "off":
             warmup_and_capture(run)
@@ -586,6 +621,10 @@ def _train(cfg: RunConfig, graph_backend) -> int:
         start_step = 0
         if cfg.train.resume is not None:
             start_step = load_checkpoint(run, cfg.train.resume)
+        bad_window = _profile_window_error(run, start_step)
+        if bad_window:
+            print(f"error: {bad_window}", file=sys.stderr)
+            return 2
         if start_step == 0:
             _validate(run, 0, *validation_windows(run, 0))
         timed_run(run, start_step)

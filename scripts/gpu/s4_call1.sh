@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Planned device call 1 of the next lease (nvidia-h200-x2, cold machine): `bash scripts/gpu/s4_call1.sh`.
 #   GPU 0 (first 5/8 of the CPU cores): small-gpu, graphs on, cold: the summary's phase_ms_by_stage
-#          says where the ~85 ms per step outside the micro-steps goes (stage C: 840 vs 8 x 94.5 ms)
+#          says where the ~85 ms per step outside the micro-steps goes (stage C: 840 vs 8 x 94.5 ms),
+#          and --profile-steps 150:152 (two stage-C steps) gives their kernel table and trace
 #   GPU 1 (the rest): the fp8 GPU tests (quantisation as traced code, not yet GPU-run), then fp8
 #          vs bf16 forward + backward at keys A and C with the top kernels profiled
 # Within the warm window after it, s4_call2.sh reuses this call's inductor cache.
@@ -9,7 +10,7 @@ source "$(dirname "$0")/common.sh"
 n=$(nproc); split=$(( n * 5 / 8 ))
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=$split T1S_SYSTEM_PYTHON=1 timeout 585 \
     taskset -c "0-$((split - 1))" ./run.sh --preset small-gpu --graphs on --run-id small-gpu-on-phases \
-    --runs-dir "$OUT/runs" --no-save-final > "$L/small_gpu_on_phases.log" 2>&1
+    --profile-steps 150:152 --runs-dir "$OUT/runs" --no-save-final > "$L/small_gpu_on_phases.log" 2>&1
   echo "exit $? after $(elapsed) s" >> "$L/small_gpu_on_phases.log" ) &
 A=$!
 export TORCHINDUCTOR_COMPILE_THREADS=$(( n - split ))
