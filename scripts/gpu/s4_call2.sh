@@ -2,7 +2,8 @@
 # Planned device call 2 of the next lease (nvidia-h200-x2, within the warm window after s4_call1.sh).
 #   GPU 0 (first half of the cores): the step-graph bench at key B, eager vs graphs vs reduce-overhead
 #          (the one key not yet measured with reduce-overhead)
-#   GPU 1 (second half): the trainer GPU tests (graphs on/off, resume, deterministic resume)
+#   GPU 1 (second half): the trainer GPU tests (graphs on/off, resume, deterministic resume; -v so
+#          that tests finished before a timeout still show)
 source "$(dirname "$0")/common.sh"
 n=$(nproc); h=$(( n / 2 ))
 export TORCHINDUCTOR_COMPILE_THREADS=$h
@@ -10,7 +11,7 @@ export TORCHINDUCTOR_COMPILE_THREADS=$h
     --budget-s 450 --out "$L/step_graphs_ro_h200_B.json" > "$L/bench_B.log" 2>&1
   echo "exit $? after $(elapsed) s" >> "$L/bench_B.log" ) &
 A=$!
-CUDA_VISIBLE_DEVICES=1 timeout 570 taskset -c "$h-$((n - 1))" python3 -m pytest -m gpu -q -p no:cacheprovider -rA \
+CUDA_VISIBLE_DEVICES=1 timeout 570 taskset -c "$h-$((n - 1))" python3 -m pytest -m gpu -v -p no:cacheprovider -rA \
     tests/test_train_gpu.py > "$L/gpu_tests_train.log" 2>&1
 echo "exit $? after $(elapsed) s" >> "$L/gpu_tests_train.log"
 wait $A
