@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,3 +115,19 @@ def test_kernel_stats_rank_kernels_and_count_overlaps_once():
              {"ph": "X", "cat": "gpu_memcpy", "name": "h2d", "ts": 300.0, "dur": 50.0}]
     stats = profiling.kernel_stats(timed, num_steps=1)
     assert stats == {"kernel_ms": 0.2, "device_busy_ms": 0.2, "kernels_per_step": 2.0}
+
+
+def test_corpus_flops_compares_real_and_synthetic_batches(shard_dir, tmp_path):
+    """bench/corpus_flops.py on the synthetic test shards (documents of 40..400 tokens, shorter
+    than the bench's lognormal ones): real pieces are shorter, so the ratio is below 1."""
+    from bench import corpus_flops
+    out = tmp_path / "cf.json"
+    assert corpus_flops.main(["--data-dir", str(shard_dir), "--keys", "A", "--batches", "2",
+                              "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["keys"]["A"]
+    assert row["mean_piece_real"] < row["mean_piece_synthetic"]
+    assert 0.9 < row["flops_real_over_synthetic"]["median"] < 1.0
+    lens = corpus_flops.corpus_lengths(shard_dir)
+    spec = common.key_specs(False)["A"]
+    pieces = corpus_flops.real_pieces(lens, spec, np.random.default_rng(0))
+    assert sum(pieces) == spec.tokens + 1 and max(pieces) <= spec.max_seq_len
