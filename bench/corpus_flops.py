@@ -6,8 +6,8 @@ can be longer; attention work grows with the piece lengths, so a trainer micro-s
 than the bench's for that reason alone. This measures how much, in model FLOPs.
 
 What it computes, per key (--keys), over --batches batches each:
-- real pieces: the corpus's documents (split at BOS) in a seeded random order, each cut at the key's
-  max_seq_len and the last cut to fill T + 1 tokens (how data.py packs a micro-batch);
+- real pieces: the trainer's own packing (data.TrainStream, seeded document order, each document
+  cut at the key's max_seq_len, the last cut to fill T + 1 tokens); every piece starts at a BOS;
 - synthetic pieces: common.synthetic_batch with the seeds bench/model.py uses (1000 + T + i);
 - bench/model.py's FLOPs (dense + exact causal attention) of each; the ratio real / synthetic
   (median, min, max), mean piece lengths and attention's share of the FLOPs.
@@ -26,41 +26,24 @@ import numpy as np
 from bench import common
 from bench.model import flops
 from track_1_short import config as config_mod
-from track_1_short.data import BOS_ID, list_shards, read_shard
+from track_1_short.data import BOS_ID, SliceShape, TrainStream, list_shards
 from track_1_short.report import write_json_atomic
 
 
-def corpus_lengths(data_dir: Path) -> np.ndarray:
-    """Document lengths (tokens from one BOS to the next) over every train shard of data_dir."""
-    shards = list_shards(data_dir, "train")
-    lens = []
-    for path in shards:
-        tokens = np.asarray(read_shard(path))
-        starts = np.flatnonzero(tokens == BOS_ID)
-        if starts.size == 0:
-            raise SystemExit(f"{path}: no BOS ({BOS_ID}) token, not a document-packed shard")
-        lens.append(np.diff(np.append(starts, tokens.size)))
-    return np.concatenate(lens)
+def real_pieces(stream: TrainStream, spec: common.KeySpec) -> list[int]:
+    """The next micro-batch's piece lengths (sum T + 1) as the trainer packs it."""
+    tokens = np.empty(spec.tokens + 1, dtype=np.int32)
+    cu = np.empty(spec.cu_seqlens_rows, dtype=np.int32)
+    stream.next_slice(SliceShape(spec.tokens, spec.max_seq_len, spec.cu_seqlens_rows), tokens, cu)
+    starts = np.flatnonzero(tokens == BOS_ID)  # each piece starts with its document's BOS
+    return np.diff(np.append(starts, spec.tokens + 1)).tolist()
 
 
-def real_pieces(lens: np.ndarray, spec: common.KeySpec, rng: np.random.Generator) -> list[int]:
-    """One micro-batch's piece lengths, packed as data.py packs documents."""
-    pieces, filled = [], 0
-    while filled < spec.tokens + 1:
-        for d in rng.permutation(lens.size):
-            take = min(int(lens[d]), spec.max_seq_len, spec.tokens + 1 - filled)
-            pieces.append(take)
-            filled += take
-            if filled >= spec.tokens + 1:
-                break
-    return pieces
-
-
-def key_row(c, spec: common.KeySpec, lens: np.ndarray, batches: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
+def key_row(c, spec: common.KeySpec, data_dir: Path, batches: int, seed: int) -> dict:
+    stream = TrainStream(list_shards(data_dir, "train"), seed=seed)
     ratios, real_len, synth_len, real_share, synth_share = [], [], [], [], []
     for i in range(batches):
-        real = real_pieces(lens, spec, rng)
+        real = real_pieces(stream, spec)
         _, synth = common.synthetic_batch(spec, "cpu", seed=1000 + spec.tokens + i)
         fr, fs = flops(c, spec, real), flops(c, spec, synth)
         total_r = fr["dense_flops"] + fr["attention_exact_causal_flops"]
@@ -87,13 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/results/corpus_flops.json"))
     args = p.parse_args(argv)
     c = config_mod.preset("speedrun").model
-    lens = corpus_lengths(args.data_dir)
     specs = common.select_specs(args.keys, smoke=False, half_key=False)
     result = {"bench": "bench/corpus_flops.py", "command": common.command(),
-              "data_dir": str(args.data_dir), "documents": int(lens.size),
-              "mean_document": float(lens.mean()), "batches": args.batches,
+              "data_dir": str(args.data_dir), "batches": args.batches,
               "flops": "bench/model.py FLOPS_FORMULA, attention counted exactly (causal, windowed)",
-              "keys": {s.name: key_row(c, s, lens, args.batches, args.seed) for s in specs}}
+              "keys": {s.name: key_row(c, s, args.data_dir, args.batches, args.seed) for s in specs}}
     write_json_atomic(args.out, result)
     for name, row in result["keys"].items():
         r = row["flops_real_over_synthetic"]

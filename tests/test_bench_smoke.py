@@ -22,6 +22,7 @@ import torch
 
 from bench import common
 from bench import model as model_bench
+from track_1_short.data import TrainStream, list_shards, write_shard
 from track_1_short.perf import profiling
 from track_1_short.model.gpt import GPTConfig
 
@@ -117,17 +118,23 @@ def test_kernel_stats_rank_kernels_and_count_overlaps_once():
     assert stats == {"kernel_ms": 0.2, "device_busy_ms": 0.2, "kernels_per_step": 2.0}
 
 
-def test_corpus_flops_compares_real_and_synthetic_batches(shard_dir, tmp_path):
-    """bench/corpus_flops.py on the synthetic test shards (documents of 40..400 tokens, shorter
-    than the bench's lognormal ones): real pieces are shorter, so the ratio is below 1."""
+def test_corpus_flops_compares_real_and_synthetic_batches(tmp_path):
+    """bench/corpus_flops.py on a shard of documents of 300..420 tokens: shorter than the bench's
+    lognormal ones (mean ~470 at key A), so the ratio is below 1; long enough that key A's 16,384
+    tokens fit its 63 documents, as the trainer's packing (data.TrainStream) requires."""
     from bench import corpus_flops
+    from tests.conftest import make_docs
+    shard_dir = tmp_path / "shards"
+    shard_dir.mkdir()
+    docs = make_docs(np.random.default_rng(0), 400, 300, 420)
+    write_shard(shard_dir / "t_train_000000.bin", np.concatenate(docs))
     out = tmp_path / "cf.json"
     assert corpus_flops.main(["--data-dir", str(shard_dir), "--keys", "A", "--batches", "2",
                               "--out", str(out)]) == 0
     row = json.loads(out.read_text())["keys"]["A"]
     assert row["mean_piece_real"] < row["mean_piece_synthetic"]
     assert 0.9 < row["flops_real_over_synthetic"]["median"] < 1.0
-    lens = corpus_flops.corpus_lengths(shard_dir)
     spec = common.key_specs(False)["A"]
-    pieces = corpus_flops.real_pieces(lens, spec, np.random.default_rng(0))
+    stream = TrainStream(list_shards(shard_dir, "train"), seed=0)
+    pieces = corpus_flops.real_pieces(stream, spec)
     assert sum(pieces) == spec.tokens + 1 and max(pieces) <= spec.max_seq_len

@@ -420,17 +420,25 @@ def timed_run(run: Run, start_step: int) -> None:
     run.compiles.setdefault("timed", 0)
     _sync(run)
     clock = time.perf_counter()
+
+    @contextmanager
+    def clock_paused():
+        """Work that is not training (validation, checkpoints, trace export) stops the clock."""
+        nonlocal clock
+        _sync(run)
+        run.train_time_s += time.perf_counter() - clock
+        yield
+        _sync(run)
+        clock = time.perf_counter()
+
     tokens = 0  # per rank, since start_step (stages differ in tokens per step)
     run.resumed_train_time_s = run.train_time_s  # > 0 after --resume: not this process's time
     profiler = _step_profiler(run, start_step)
     for step in bar:
         plan = run.plans[step]
         if plan.validate and step > start_step:
-            _sync(run)
-            run.train_time_s += time.perf_counter() - clock
-            _validate(run, step, *validation_windows(run, step))
-            _sync(run)
-            clock = time.perf_counter()
+            with clock_paused():
+                _validate(run, step, *validation_windows(run, step))
         if profiler is not None:
             profiler.before(step)
         run.timer.start(step)
@@ -439,13 +447,11 @@ def timed_run(run: Run, start_step: int) -> None:
         run.timer.stop(step)
         tokens += run.micro_steps * plan.tokens_per_rank
         if profiler is not None and step == profiler.end - 1:
-            _sync(run)  # the trace export is not training time
-            run.train_time_s += time.perf_counter() - clock
-            run.profile = profiler.after(step)
+            with clock_paused():
+                run.profile = profiler.after(step)
             tqdm.write(f"profiled steps {profiler.start}-{step}: {run.profile['kernel_ms']:.1f} ms of "
                        f"kernels, {run.profile['device_busy_ms']:.1f} ms busy per step; "
                        f"{run.run_dir / 'profile.json'}")
-            clock = time.perf_counter()
         if (step + 1) % cfg.train.log_every == 0 or step == run.num_steps - 1:
             loss = float(loss_t)
             elapsed = run.train_time_s + time.perf_counter() - clock
@@ -454,26 +460,25 @@ def timed_run(run: Run, start_step: int) -> None:
             run.metrics.log(kind="train", step=step, stage=plan.stage, loss=loss,
                             train_time_s=elapsed, lr_mul=plan.lr_mul, epoch=run.loader.epoch)
         if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
-            _sync(run)
-            run.train_time_s += time.perf_counter() - clock
-            save_checkpoint(run, step + 1)
-            clock = time.perf_counter()
+            with clock_paused():
+                save_checkpoint(run, step + 1)
     _sync(run)
     run.train_time_s += time.perf_counter() - clock
     bar.close()
 
 
-def _profile_window_error(run: Run, start_step: int) -> str | None:
-    """Why --profile-steps does not fit this run's timed steps (None: it fits or is unset)."""
+def _profile_window_fits(run: Run, start_step: int) -> bool:
+    """Whether --profile-steps (if set) lies inside this run's timed steps; prints the error if not."""
     window = run.cfg.train.profile_steps
     if window is not None and not start_step <= window[0] < window[1] <= run.num_steps:
-        return (f"--profile-steps {window[0]}:{window[1]}: outside this run's timed steps "
-                f"[{start_step}, {run.num_steps}); pick a window inside them")
-    return None
+        print(f"error: --profile-steps {window[0]}:{window[1]}: outside this run's timed steps "
+              f"[{start_step}, {run.num_steps}); pick a window inside them", file=sys.stderr)
+        return False
+    return True
 
 
 def _step_profiler(run: Run, start_step: int) -> StepProfiler | None:
-    """--profile-steps on rank 0 (checked by _profile_window_error before the timed run)."""
+    """--profile-steps on rank 0 (checked by _profile_window_fits before the timed run)."""
     window = run.cfg.train.profile_steps
     if window is None or not run.ctx.is_main:
         return None
@@ -515,9 +520,9 @@ def _run_facts(run: Run) -> dict:
     }
 
 
-def summarize(run: Run, start_step: int) -> dict:
+def summarize(run: Run, start_step: int, times: list[dict]) -> dict:
+    """summary.json; `times`: step_times(run)."""
     tokens = sum(run.micro_steps * p.tokens_per_rank for p in run.plans[start_step:])
-    times = step_times(run)
     return {
         **_run_facts(run),
         "steps": run.num_steps - start_step, "start_step": start_step,
@@ -598,9 +603,7 @@ def _train(cfg: RunConfig, graph_backend) -> int:
             print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
                   f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
             report.write_json_atomic(run.run_dir / "config.json", cfg.to_dict())
-        bad_window = _profile_window_error(run, 0)  # before the warmup's minutes of compiling
-        if bad_window:
-            print(f"error: {bad_window}", file=sys.stderr)
+        if not _profile_window_fits(run, 0):  # before the warmup's minutes of compiling
             return 2
         initial = snapshot_state(run)
         if cfg.train.compile or cfg.graphs.mode != "off":
@@ -621,9 +624,7 @@ def _train(cfg: RunConfig, graph_backend) -> int:
         start_step = 0
         if cfg.train.resume is not None:
             start_step = load_checkpoint(run, cfg.train.resume)
-        bad_window = _profile_window_error(run, start_step)
-        if bad_window:
-            print(f"error: {bad_window}", file=sys.stderr)
+        if not _profile_window_fits(run, start_step):
             return 2
         if start_step == 0:
             _validate(run, 0, *validation_windows(run, 0))
@@ -632,9 +633,10 @@ def _train(cfg: RunConfig, graph_backend) -> int:
         if cfg.train.save_final:
             save_checkpoint(run, run.num_steps)
         if ctx.is_main:
-            summary = summarize(run, start_step)
+            times = step_times(run)
+            summary = summarize(run, start_step, times)
             report.write_json_atomic(run.run_dir / "summary.json", summary)
-            report.plot_run(run.run_dir, run.metrics.records, step_times(run))
+            report.plot_run(run.run_dir, run.metrics.records, times)
             print(f"done: {summary['steps']} steps, {summary['tokens_per_rank']} tokens/rank, "
                   f"train time {summary['train_time_s']:.1f} s, final val loss "
                   f"{summary['final_val_loss']:.4f}; summary {run.run_dir / 'summary.json'}", flush=True)
