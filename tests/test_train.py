@@ -255,3 +255,28 @@ def test_warmup_only_compiles_captures_and_exits(shard_dir, tmp_path, fresh_dyna
     assert result["compiles"] == {"warmup": 2 + 2}  # 2 keys, 2 validation windows
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "metrics.jsonl").exists()  # no train step, no validation logged
+
+
+def test_warmup_gaps_after_held_ngram_gradients(shard_dir, tmp_path, fresh_dynamo):
+    """The speedrun's visit plan on 2 GPUs (4 micro-steps) jumps from step 848 (no n-gram event,
+    gradients held) to 1268 (none either) and 1269: the ring held 8 of 8 and the warmup died. Here
+    the same shape in small: stage B starts at odd step 5, so its transition block ends at 6 (no
+    event), and the next block starts at 8 (no event) before the event at 9. The skipped steps
+    would have applied the held gradients; the warmup applies them at the gap."""
+    from track_1_short.perf.cuda_graphs.capture_plan import warmup_visit_plan
+    from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
+    from track_1_short.schedule import Schedule
+
+    cfg = micro_config(shard_dir, tmp_path, "gaps", compile=True, compile_backend="aot_eager",
+                       warmup_only=True)
+    a, b = cfg.schedule.stages
+    cfg.schedule = dataclasses.replace(cfg.schedule, stages=(
+        dataclasses.replace(a, num_steps=5), dataclasses.replace(b, num_steps=5),
+        dataclasses.replace(b, name="C", num_steps=4, ws_long=384)))
+    cfg.optim = dataclasses.replace(cfg.optim, num_steps=14)
+    cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
+    schedule = Schedule(cfg.schedule)
+    visits = warmup_visit_plan(schedule)
+    assert [6, 8, 9] == [s for s in visits if s in (6, 7, 8, 9)], visits  # the gap under test
+    assert not schedule.plan(6).ngram_event and not schedule.plan(8).ngram_event
+    assert train(cfg, graph_backend=RecordingGraphBackend()) == 0

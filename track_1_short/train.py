@@ -383,7 +383,7 @@ def warmup_and_capture(run: Run) -> None:
     to_validate = validation_stages(run)
     with _counting_compiles(run, "warmup"):
         try:
-            for step in visits:
+            for i, step in enumerate(visits):
                 plan = run.plans[step]
                 if plan.window_change is None and plan.stage_index != prev_stage:
                     # jumped over the stage's first step: bring YaRN to this stage's window
@@ -391,6 +391,12 @@ def warmup_and_capture(run: Run) -> None:
                                                   plan.ws_long)
                 prev_stage = plan.stage_index
                 loss = train_step(run, step, loader)
+                ngram = run.model.ngram_table
+                if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
+                    # The steps the plan skips here would have applied the held gradients (an
+                    # event comes every ngram_cycle steps); without this the next block overflows
+                    # the ring (cycle x micro_steps slots). Collective: every rank has the plan.
+                    ngram.update_event(step, plan.lr_mul)
                 if run.ctx.is_main:
                     print(f"warmup step {step:5d} ({plan.stage}) loss {float(loss):.4f} "
                           f"[{time.perf_counter() - t0:.0f} s]", flush=True)

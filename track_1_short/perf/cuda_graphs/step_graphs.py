@@ -235,7 +235,8 @@ class GradHandoff:
 def check_ngram_pending(pending: int, ring_slots: int) -> None:
     if not 0 <= pending < ring_slots:
         raise StepGraphError(f"{pending} n-gram gradients already held, ring has {ring_slots} "
-                             f"slots: the update cadence exceeds MAX_CYCLE_STEPS")
+                             f"slots (cycle x micro-steps): an n-gram update event was missed or the cadence "
+                             f"exceeds MAX_CYCLE_STEPS")
 
 
 def sampled_check_steps(num_steps: int, fraction: float, seed: int) -> frozenset[int]:
