@@ -1,8 +1,9 @@
 """fp8 matmuls on the CPU: quantisation helpers, the slow references against float32 matmuls,
 fp8_matmul (forward and backward) against the references, the GEMM custom op t1s::scaled_mm (fake
-registration by torch.library.opcheck; its body against the CUDA layout rules of torch._scaled_mm
-for every operand layout, run on fake CUDA tensors: torch's CUDA meta function checks row-/column-
-major operands and multiples of 16), the quantisations traced into the graph (no graph break),
+registration by torch.library.opcheck; its body against the CUDA layout rules of torch._scaled_mm,
+run on fake CUDA tensors: torch's CUDA meta function checks row-/column-major operands and
+multiples of 16; other layouts refused), the quantisations and every operand layout traced into
+the graph (no graph break; inductor's CPU backend hands the op those layouts and equals eager),
 Fp8Matmuls.resolve / matmul per call site (lm head static, MLP up current, MLP down delayed) /
 reset, the MLP-down delayed scales against `delayed_scales_reference` (bootstrap, repeats,
 saturation, the backward's scales, in-place buffers in their own storages), and
@@ -13,13 +14,14 @@ Hardware: CPU. torch 2.13's CPU build runs torch._scaled_mm with float8 operands
 and fast accumulation), so the op runs for real here; what needs a GPU (cuBLASLt, fast
 accumulation, CUDA-graph capture and replay of the buffer updates, inductor) is in
 tests/test_fp8_gpu.py.
-Run: `.venv/bin/python -m pytest tests/test_fp8.py -q` (~25 s, mostly one aot_eager compile of the
-tiny GPT).
+Run: `.venv/bin/python -m pytest tests/test_fp8.py -q` (~50 s: one aot_eager compile of the tiny
+GPT, three small inductor CPU compiles).
 
 Legend: T tokens, K inner dim, N output dim.
 """
 
 import math
+import shutil
 import warnings
 
 import pytest
@@ -157,7 +159,7 @@ def test_opcheck_fake_registration():
     (mutates_args=())."""
     x, w, _ = _operands("mlp_down", t=32, k=32, n=48)
     x_s, w_s, _ = _site_scales("mlp_down", x, w)
-    a8, b8 = quantise(x, x_s, E4M3), quantise(w, w_s, E4M3)
+    a8, b8 = quantise(x, x_s, E4M3), fp8.col_major(quantise(w, w_s, E4M3))  # cuBLASLt's layouts
     for out_dtype, fast in ((torch.bfloat16, True), (torch.float32, False)):
         torch.library.opcheck(fp8.scaled_mm, (a8, b8, x_s, w_s, out_dtype, fast),
                               test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
@@ -185,31 +187,86 @@ def test_fp8_matmul_has_no_graph_break_and_quantises_in_the_graph():
 
 
 @pytest.mark.parametrize("t,k,n", [(2048, 768, 50304), (2048, 3072, 768)])
-def test_scaled_mm_body_meets_cuda_layout_rules_for_any_operand_layout(t, k, n):
-    """The op body on fake CUDA tensors: its _scaled_mm call passes torch's CUDA meta checks (first
-    operand row-major, second column-major, dims multiples of 16) at the speedrun shapes (lm head,
-    MLP down) whatever layouts the fp8 operands arrive in (inductor picks the layouts of the tensors
-    it produces): the forward's x8 @ w8 and the backward's g8 @ w8.t() and x8.t() @ g8."""
+def test_scaled_mm_body_meets_cuda_layout_rules_and_refuses_other_layouts(t, k, n):
+    """The op body on fake CUDA tensors at the speedrun shapes (lm head, MLP down): the three GEMMs
+    with the operands fp8_matmul builds (forward row x8 @ col w8; grad_x row g8 @ row(w8).t();
+    grad_w col(x8).t() @ col g8) pass torch's CUDA meta checks; any other layout is refused with a
+    ValueError naming the operand (the body never copies: a silent slow path)."""
     with FakeTensorMode():
         s = torch.ones((), device="cuda")
 
-        def both_layouts(rows, cols):
-            row = torch.empty(rows, cols, device="cuda", dtype=E4M3)
-            return row, torch.empty(cols, rows, device="cuda", dtype=E4M3).t()
+        def layouts(rows, cols, dtype=E4M3):  # (row-major, column-major)
+            row = torch.empty(rows, cols, device="cuda", dtype=dtype)
+            return row, torch.empty(cols, rows, device="cuda", dtype=dtype).t()
 
-        for x8 in both_layouts(t, k):
-            for w8 in both_layouts(k, n):
-                out = fp8.scaled_mm_body(x8, w8, s, s, torch.bfloat16, True)
-                assert (out.shape, out.dtype, out.device.type) == ((t, n), torch.bfloat16, "cuda")
-                for g8 in both_layouts(t, n):
-                    grad_x = fp8.scaled_mm_body(g8, w8.t(), s, s, torch.bfloat16, False)
-                    grad_w = fp8.scaled_mm_body(x8.t(), g8, s, s, torch.float32, False)
-                    assert (grad_x.shape, grad_x.dtype) == ((t, k), torch.bfloat16)
-                    assert (grad_w.shape, grad_w.dtype) == ((k, n), torch.float32)
-        # the check is live: a row-major second operand is refused
-        row_x8, row_w8 = both_layouts(t, k)[0], both_layouts(k, n)[0]
+        (x_row, x_col), (w_row, w_col), (g_row, g_col) = layouts(t, k), layouts(k, n), layouts(t, n, E5M2)
+        gemms = {"forward": (x_row, w_col, torch.bfloat16, (t, n)),
+                 "grad_x": (g_row, w_row.t(), torch.bfloat16, (t, k)),
+                 "grad_w": (x_col.t(), g_col, torch.float32, (k, n))}
+        for name, (a8, b8, dtype, shape) in gemms.items():
+            out = fp8.scaled_mm_body(a8, b8, s, s, dtype, name == "forward")
+            assert (out.shape, out.dtype, out.device.type) == (shape, dtype, "cuda"), name
+            with pytest.raises(ValueError, match=r"operand a8 .* needs row-major"):
+                fp8.scaled_mm_body(fp8.col_major(a8), b8, s, s, dtype, False)
+            with pytest.raises(ValueError, match=r"operand b8 .* needs col-major"):
+                fp8.scaled_mm_body(a8, fp8.row_major(b8), s, s, dtype, False)
+        # the CUDA meta check the body protects is live: a row-major second operand is refused
         with pytest.raises(RuntimeError, match="col_major"):
-            torch._scaled_mm(row_x8, row_w8, s, s, out_dtype=torch.bfloat16)
+            torch._scaled_mm(x_row, w_row, s, s, out_dtype=torch.bfloat16)
+
+
+def _traced_gemm_operands(site: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(graph, a8 meta, b8 meta) of every t1s::scaled_mm call in fp8_matmul's traced forward and
+    backward graphs (aot_eager) for the call site's operand layouts."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    x, w, g = _operands(site)
+    x_s, w_s, grad_s = _site_scales(site, x, w)
+    backend = AotEagerAndRecordGraphs()
+    fn = torch.compile(lambda x, w: fp8_matmul(x, w, x_s, w_s, grad_s), backend=backend,
+                       fullgraph=True, dynamic=False)
+    xl, wl = x.clone().requires_grad_(), w.detach().requires_grad_()  # mlp_up: w keeps c_fc.t()'s strides
+    fn(xl, wl).backward(g)
+    (fw,), (bw,) = backend.fw_graphs, backend.bw_graphs
+    return [(name, node.args[0].meta["val"], node.args[1].meta["val"])
+            for name, gm in (("forward", fw), ("backward", bw)) for node in gm.graph.nodes
+            if node.op == "call_function" and str(node.target) == "t1s.scaled_mm.default"]
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_traced_gemm_operands_are_in_cublaslt_layouts(site):
+    """fp8_matmul builds every GEMM operand in traced code in the layout cuBLASLt needs (first
+    row-major, second column-major), for each call site's weight layout (mlp_up's w is the
+    column-major view c_fc.t()), so inductor generates the transposes; the op's
+    needs_exact_strides tag makes inductor keep those strides."""
+    assert torch.Tag.needs_exact_strides in fp8.scaled_mm._opoverload.tags
+    operands = _traced_gemm_operands(site)
+    assert [name for name, _, _ in operands] == ["forward", "backward", "backward"]
+    for name, a8, b8 in operands:
+        assert a8.is_contiguous(), f"{name}: a8 strides {a8.stride()}"
+        assert b8.t().is_contiguous(), f"{name}: b8 strides {b8.stride()}"
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor's CPU backend needs a C++ compiler (g++ or c++ on PATH)")
+@pytest.mark.parametrize("site", SITES)
+def test_inductor_compiled_equals_eager_with_exact_layouts(site):
+    """Inductor (CPU backend) compiles fp8_matmul's forward and backward; the op body, which refuses
+    a wrong layout, accepts what inductor hands it, and output and both gradients equal eager's
+    exactly (~8 s per site)."""
+    x, w, g = _operands(site)
+    x_s, w_s, grad_s = _site_scales(site, x, w)
+
+    def f(x, w):
+        return fp8_matmul(x, w, x_s, w_s, grad_s)
+
+    results = {}
+    for name, fn in (("eager", f), ("inductor", torch.compile(f, fullgraph=True, dynamic=False))):
+        xl, wl = x.clone().requires_grad_(), w.detach().requires_grad_()
+        out = fn(xl, wl)
+        out.backward(g)
+        results[name] = (out.detach(), xl.grad, wl.grad)
+    for what, a, b in zip(("out", "grad_x", "grad_w"), results["eager"], results["inductor"]):
+        assert torch.equal(a, b), what
 
 
 def test_fp8_matmul_rejects_bad_shapes_and_offset_scales():

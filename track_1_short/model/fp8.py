@@ -7,19 +7,22 @@ faster: Hopper's fp8 tensor cores have twice the dense bf16 peak (H100/H200 SXM 
 TFLOP/s) and the operands are half the bytes; the lm head GEMM [T, 768] x [768, 50304] is the step's
 largest. Correctness: tests/test_fp8_gpu.py (each site vs the reference and bf16 at the speedrun
 shapes, compiled vs eager, captured and replayed, the delayed MLP-down scales under capture, tiny
-GPT fp8 vs bf16) passed on the H200 (2026-11-30, 9 passed) for the PREVIOUS design described
-below; this design is CPU-tested only until that file runs on a GPU again.
+GPT fp8 vs bf16) passed on the H200 for the first design (one opaque op quantising inside) and for
+the traced-quantisation design (2026-11-30, 9 passed each); the operand layouts of the current
+version (below) are CPU-tested only.
 
-Speed, measured (docs/results/model_{fp8,bf16}_h200_AC.json, bench/model.py --fp8 / --no-fp8, one
-H200 each, same time) with the previous design, where each direction was one opaque custom op that
-quantised inside its body: fp8 was 2.0x SLOWER than bf16 per micro-step (64.5 vs 31.2 ms at key A,
-185.9 vs 93.7 ms at C). Those quantisations ran as separate float32 copy / divide / clamp / cast
-kernels that inductor could not fuse, ~8 passes over each operand, and the lm-head backward did that
-to the [T, 50304] logits gradient (estimated ~67 GB of memory traffic per micro-step at key C). This design
-moves every quantisation into traced code (below), so inductor fuses it into the kernel that
-produces the operand (rms_norm, relu^2, the cross-entropy backward): one fp8 write instead of ~8
-float32 passes. Its speed is NOT measured yet (TODO(model owner): bench/model.py --fp8 --no-fp8
---profile-top 20 on the H200), so Fp8Config.enabled still defaults to False.
+Speed, measured (bench/model.py --fp8 / --no-fp8, one H200, forward + backward per micro-step;
+docs/results/README.md):
+- first design, quantisation inside one opaque op per direction: 2.0x SLOWER than bf16 (64.5 vs
+  31.2 ms at key A, 185.9 vs 93.7 ms at C): separate float32 passes inductor could not fuse.
+- traced quantisation, transposes made inside the op body: 1.39x / 1.33x of bf16 (43.3 vs 31.2
+  ms at A, 125.5 vs 94.1 ms at C; model_fp8_traced_h200_AC.json). A third of the fp8 micro-step
+  (13.9 ms at A, 43.4 ms at C) was aten's strided fp8-to-fp8 copy kernel: the body's
+  transposed copies of x8, w8 and g8 for cuBLASLt.
+- current: every layout made in traced code (row_major / col_major), so inductor writes each
+  transposed operand from a Triton kernel (with the quantisation or right after it) instead of
+  aten's copy; the body only checks. NOT measured yet (TODO(model owner): bench/model.py --fp8
+  --no-fp8 --profile-top 20 on the H200), so Fp8Config.enabled defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -36,11 +39,11 @@ _scaled_mm returns (A8 @ B8) * scale_a * scale_b, so the scales are dequantisati
 (value = fp8 * scale). `fp8_matmul` is an autograd.Function that dynamo and AOTAutograd trace
 (no graph break): the quantisations and the gradient's current amax are graph ops, which inductor
 fuses into their producers, and each of the three GEMMs is one call of the torch.library custom op
-`t1s::scaled_mm` (fake registered), which inductor runs as an opaque extern kernel and whose body
-makes the operand layouts cuBLASLt needs itself, so no layout inductor picks for an fp8 tensor can
-break it. Everything is device ops with no host sync and no host-dependent allocation, so it is
-CUDA-graph capturable. x8 and w8 are saved for the backward (fp8: half the bytes of saving bf16 x
-and w; the partitioner may recompute them from x and w instead). The MLP scales the op receives are
+`t1s::scaled_mm` (fake registered), which inductor runs as an opaque extern kernel on operands
+already in cuBLASLt's layouts (layout rules below). Everything is device ops with no host sync
+and no host-dependent allocation, so it is CUDA-graph capturable. x8 and w8 are saved for the
+backward, each in the layout its backward GEMM reads (fp8: half the bytes of saving bf16 x and w;
+the partitioner may recompute them from x and w instead). The MLP scales the op receives are
 fresh tensors computed in the forward (never the delayed-scale buffers themselves), so a buffer
 updated later in the same forward cannot change what the backward reads; the lm head passes its
 static scale buffers themselves, which nothing writes during a step.
@@ -52,16 +55,20 @@ materialised tensors (weights, leaves) quantise identically.
 
 _scaled_mm layout rules (CUDA; torch's meta function checks them, so tests/test_fp8.py runs the op
 bodies on fake CUDA tensors on the CPU machine): the first operand row-major (strides (K, 1)), the
-second column-major (strides (1, K)); K and both dims of the second operand multiples of 16. Hence
-T, K and N must all be multiples of 16 (grad_w contracts over T); `fp8_matmul` raises otherwise.
-t1s::scaled_mm's body passes `_row_major(a8)` and `_col_major(b8)`, each a copy only when the operand
-is not already in that layout: in the forward x8 @ w8, in the backward g8 @ w8.t() and
-x8.t() @ g8 (with row-major x8 and g8: copies of x8.t() [K, T] and of g8 [T, N], the latter 2.5 GB
-for the lm head at key C). (`.clone(memory_format=torch.contiguous_format)` rather than
-`.contiguous()`: the latter fails on fake CUDA tensors in the CPU build, and the copy is needed
-anyway.) The MLP up weight arrives as the view c_fc.t() [D, F] (column-major); quantise keeps its
-strides, so the forward needs no weight copy. The CPU _scaled_mm ignores layouts and fast
-accumulation.
+second column-major (strides (1, K)), i.e. both K-major (cuBLASLt's fp8 GEMM is TN only); K and
+both dims of the second operand multiples of 16. Hence T, K and N must all be multiples of 16
+(grad_w contracts over T); `fp8_matmul` raises otherwise. Each GEMM's operands, made in traced code:
+    forward  row_major(x8) [T, K]      @ col_major(w8) [K, N]
+    grad_x   row_major(g8) [T, N]      @ row_major(w8).t() [N, K]   (column-major)
+    grad_w   col_major(x8).t() [K, T]  @ col_major(g8) [T, N]        (row-major @ column-major)
+so x8, w8 and g8 each exist in both layouts (two fp8 writes of each: the quantising kernel writes
+one, a Triton transpose or the same kernel the other); the forward saves col_major(x8) and
+row_major(w8) for the backward. A layout is a copy only when the tensor is not already in it (the
+MLP up weight arrives as the column-major view c_fc.t() [D, F]; quantise keeps strides).
+t1s::scaled_mm carries torch.Tag.needs_exact_strides, so inductor hands the op those strides, and
+its body raises (ValueError naming the operand) instead of copying when a layout is wrong.
+(`.clone(memory_format=torch.contiguous_format)` rather than `.contiguous()`: the latter fails on
+fake CUDA tensors in the CPU build.) The CPU _scaled_mm ignores layouts and fast accumulation.
 
 Scales per call site (`Fp8Matmuls.matmul(x, w, which, layer)`):
 - "lm_head": STATIC (facts 1.7): x_s = 100/448, w_s = 1.6/448, grad_s = 0.75/448, registered buffers.
@@ -123,8 +130,8 @@ Deviations from HEAD:
   per-SM partial amax written by the fused up kernel); the repeat rule above (HEAD has no
   self-check re-runs); bootstrap counts forward calls, not steps (the same on 8 GPUs, where HEAD
   has no gradient accumulation); no cached transposed fp8 W2.
-- Quantisation and the transposed copies run as eager kernels inside the ops (a few memory passes
-  over x, w and g) instead of HEAD's fused Triton quantise+transpose kernels.
+- Quantisation and the transposed layouts are inductor-generated kernels from traced code
+  instead of HEAD's hand-written fused Triton quantise+transpose kernels.
 - lm head grad_s = 0.75/448 without HEAD's grad_scale (= 1/grad_accum) factor: on one GPU the
   trainer's 1/micro_steps loss scale shifts the gradients 3 octaves down inside e5m2's range
   (normals from 2^-14) instead of rescaling them.
@@ -236,14 +243,25 @@ def delayed_scales_reference(amaxes: list[float], margin: float, bootstrap_steps
 
 # ---- the op: quantisation as traced code, each GEMM one opaque custom op ----
 
-def _row_major(t: Tensor) -> Tensor:
-    """[R, C] with strides (C, 1): t itself when already so, else a copy."""
+def row_major(t: Tensor) -> Tensor:
+    """[R, C] with strides (C, 1): t itself when already so, else a copy. Traced code (inductor
+    writes the copy from the kernel that produced t)."""
     return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
-def _col_major(t: Tensor) -> Tensor:
-    """[R, C] with strides (1, R) (a transposed copy unless t already is column-major)."""
-    return _row_major(t.t()).t()
+def col_major(t: Tensor) -> Tensor:
+    """[R, C] with strides (1, R): t itself when already so, else a transposed copy (traced)."""
+    return row_major(t.t()).t()
+
+
+def _check_layout(t: Tensor, name: str, major: str):
+    # cuBLASLt's fp8 GEMM takes only this layout (TN); fp8_matmul makes it in traced code, and the
+    # op's needs_exact_strides tag makes inductor hand those strides over. An explicit raise: a
+    # copy here would be a silent slow path (aten's strided fp8 copy was a third of the fp8 step).
+    ok = t.is_contiguous() if major == "row" else t.t().is_contiguous()
+    if not ok:
+        raise ValueError(f"t1s::scaled_mm: operand {name} {tuple(t.shape)} has strides {t.stride()}, "
+                         f"needs {major}-major; build it with fp8.{major}_major() before the op")
 
 
 def _check_scale(s: Tensor, name: str):
@@ -258,16 +276,19 @@ def _check_scale(s: Tensor, name: str):
 def scaled_mm_body(a8: Tensor, b8: Tensor, a_s: Tensor, b_s: Tensor, out_dtype: torch.dtype,
                    fast_accum: bool) -> Tensor:
     """Body of t1s::scaled_mm: (a8 [M, K] @ b8 [K, N]) * a_s * b_s -> out_dtype [M, N] (fp8
-    operands, float32 0-d dequantisation scales). The operand layouts cuBLASLt needs are made
-    here, whatever layouts the caller (inductor) produced: a row-major, b column-major, each a
-    copy only when it is not already so."""
+    operands, float32 0-d dequantisation scales). a8 must be row-major and b8 column-major (the
+    only layout cuBLASLt's fp8 GEMM takes); ValueError naming the operand otherwise."""
     _check_scale(a_s, "a_s")
     _check_scale(b_s, "b_s")
-    return torch._scaled_mm(_row_major(a8), _col_major(b8), a_s, b_s, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+    _check_layout(a8, "a8", "row")
+    _check_layout(b8, "b8", "col")
+    return torch._scaled_mm(a8, b8, a_s, b_s, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-scaled_mm = torch.library.custom_op("t1s::scaled_mm", scaled_mm_body, mutates_args=())
+# needs_exact_strides: inductor passes the operands with the strides the traced code gave them
+# (row_major / col_major above) instead of layouts of its own choosing.
+scaled_mm = torch.library.custom_op("t1s::scaled_mm", scaled_mm_body, mutates_args=(),
+                                    tags=(torch.Tag.needs_exact_strides,))
 
 
 @scaled_mm.register_fake
@@ -284,18 +305,19 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor | None):
         x8 = quantise(x, x_s, E4M3)  # [T, K]
         w8 = quantise(w, w_s, E4M3)  # [K, N]
-        ctx.save_for_backward(x8, w8, x_s, w_s, grad_s)
+        # each operand in the layout of each GEMM that reads it (module docstring, layout rules)
+        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s)
         ctx.dtypes = (x.dtype, w.dtype)
-        return scaled_mm(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, N], fast accumulation
+        return scaled_mm(row_major(x8), col_major(w8), x_s, w_s, torch.bfloat16, True)  # [T, N]
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        x8, w8, x_s, w_s, grad_s = ctx.saved_tensors
+        x8_col, w8_row, x_s, w_s, grad_s = ctx.saved_tensors  # [T, K] col-, [K, N] row-major
         g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
         g8 = quantise(g, g_s, E5M2)  # [T, N]
         # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
-        grad_x = scaled_mm(g8, w8.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
-        grad_w = scaled_mm(x8.t(), g8, x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
+        grad_x = scaled_mm(row_major(g8), w8_row.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
+        grad_w = scaled_mm(x8_col.t(), col_major(g8), x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
         return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
 
 
