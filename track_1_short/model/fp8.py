@@ -17,7 +17,7 @@ docs/results/README.md):
   31.2 ms at key A, 185.9 vs 93.7 ms at C): separate float32 passes inductor could not fuse.
 - traced quantisation, transposes made inside the op body: 1.39x / 1.33x of bf16 (43.3 vs 31.2
   ms at A, 125.5 vs 94.1 ms at C; model_fp8_traced_h200_AC.json). A third of the fp8 micro-step
-  (13.9 ms at A, 43.4 ms at C) was aten's strided fp8-to-fp8 copy kernel: the body's
+  (13.9 ms at A, 43.5 ms at C) was aten's strided fp8-to-fp8 copy kernel: the body's
   transposed copies of x8, w8 and g8 for cuBLASLt.
 - current: every layout made in traced code (row_major / col_major), so inductor writes each
   transposed operand from a Triton kernel (with the quantisation or right after it) instead of
@@ -286,7 +286,8 @@ def scaled_mm_body(a8: Tensor, b8: Tensor, a_s: Tensor, b_s: Tensor, out_dtype: 
 
 
 # needs_exact_strides: inductor passes the operands with the strides the traced code gave them
-# (row_major / col_major above) instead of layouts of its own choosing.
+# (row_major / col_major above). It is the default for custom ops in recent torch versions; the tag
+# states it here because these layouts are load-bearing.
 scaled_mm = torch.library.custom_op("t1s::scaled_mm", scaled_mm_body, mutates_args=(),
                                     tags=(torch.Tag.needs_exact_strides,))
 
