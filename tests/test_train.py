@@ -1,5 +1,6 @@
 """The trainer end to end on CPU: a micro config (T=128, 2 stages) on synthetic shards; exact
-resume, metrics/summary outputs, CLI errors. CPU only, ~1 min; run: pytest tests/test_train.py"""
+resume, metrics/summary outputs, CLI errors, the speedrun's step structure through warmup. CPU only,
+~4.5 min; run: pytest tests/test_train.py"""
 
 import dataclasses
 import json

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,15 +65,19 @@ class MetricsLog:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _by_stage(step_times: list[dict], field: str, default=None) -> dict[str, list]:
+    """{stage: [row[field] of its timed steps, in order]} (`default` for a row without it)."""
+    out: dict[str, list] = {}
+    for r in step_times:
+        value = r.get(field)
+        out.setdefault(r["stage"], []).append(default if value is None else value)
+    return out
+
+
 def stage_ms_per_step(step_times: list[dict]) -> dict[str, dict]:
     """Median/mean/min/max ms per step for each stage, from [{"stage", "step_ms"}] of timed steps."""
-    import statistics
-
-    by_stage: dict[str, list[float]] = {}
-    for r in step_times:
-        by_stage.setdefault(r["stage"], []).append(r["step_ms"])
     out = {}
-    for stage, xs in by_stage.items():
+    for stage, xs in _by_stage(step_times, "step_ms").items():
         steady = xs[1:] if len(xs) > 2 else xs  # a stage's first step carries its YaRN switch
         out[stage] = {"steps": len(xs), "median_ms": statistics.median(steady),
                       "mean_ms": statistics.fmean(steady), "min_ms": min(steady), "max_ms": max(steady)}
@@ -84,13 +89,8 @@ def stage_phase_ms(step_times: list[dict]) -> dict[str, dict]:
     mean_ms_per_step}}} from the "phase_ms" of each timed step (train.StepTimer). A phase that runs
     on some steps only (the n-gram update event) has its median and mean over the steps it ran,
     and mean_ms_per_step = its total / the stage's steps (what it adds to an average step)."""
-    import statistics
-
-    by_stage: dict[str, list[dict]] = {}
-    for r in step_times:
-        by_stage.setdefault(r["stage"], []).append(r.get("phase_ms") or {})
     out = {}
-    for stage, rows in by_stage.items():
+    for stage, rows in _by_stage(step_times, "phase_ms", {}).items():
         phases: dict[str, list[float]] = {}
         for row in rows:
             for phase, ms in row.items():

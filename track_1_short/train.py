@@ -381,6 +381,7 @@ def warmup_and_capture(run: Run) -> None:
     # Validation windows by stage: each one's eval graph compiles here, in the YaRN state it will
     # run in, so no validation of the timed run stops to compile.
     to_validate = validation_stages(run)
+    ngram = run.model.ngram_table
     with _counting_compiles(run, "warmup"):
         try:
             for i, step in enumerate(visits):
@@ -391,7 +392,6 @@ def warmup_and_capture(run: Run) -> None:
                                                   plan.ws_long)
                 prev_stage = plan.stage_index
                 loss = train_step(run, step, loader)
-                ngram = run.model.ngram_table
                 if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
                     # The steps the plan skips here would have applied the held gradients (an
                     # event comes every ngram_cycle steps); without this the next block overflows
@@ -529,14 +529,14 @@ def _run_facts(run: Run) -> dict:
 def summarize(run: Run, start_step: int, times: list[dict]) -> dict:
     """summary.json; `times`: step_times(run)."""
     tokens = sum(run.micro_steps * p.tokens_per_rank for p in run.plans[start_step:])
+    # a resumed run's clock also holds the checkpoint's time: tokens/s uses this process's only
+    this_process_s = run.train_time_s - run.resumed_train_time_s
     return {
         **_run_facts(run),
         "steps": run.num_steps - start_step, "start_step": start_step,
         "tokens_per_rank": tokens, "train_time_s": run.train_time_s,
-        # tokens of this process's steps over this process's train time (a resumed run's clock
-        # also holds the checkpoint's time)
-        "train_time_this_process_s": run.train_time_s - run.resumed_train_time_s,
-        "tokens_per_s_per_gpu": tokens / max(run.train_time_s - run.resumed_train_time_s, 1e-9),
+        "train_time_this_process_s": this_process_s,
+        "tokens_per_s_per_gpu": tokens / max(this_process_s, 1e-9),
         "ms_per_step_by_stage": report.stage_ms_per_step(times),
         "phase_ms_by_stage": report.stage_phase_ms(times),
         "profile": run.profile,  # --profile-steps (those steps also ran slower: profiler overhead)
