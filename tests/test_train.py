@@ -240,6 +240,36 @@ def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path, fresh_dynamo):
     assert _losses(tmp_path / "graphs") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4)
 
 
+@pytest.mark.parametrize("slices_per_step", [1, 2])
+def test_key_serving_one_step_is_warmed_up_at_that_step_twice(shard_dir, tmp_path, fresh_dynamo,
+                                                               slices_per_step):
+    """--max-steps 7 leaves stage B's key a single step (6, the stage's first: a YaRN window
+    change): the warmup plan visits step 6 twice. With 1 micro-step (as on 8 GPUs) the key is
+    captured at the first visit and replayed + self-checked at the second; with 2 both happen in
+    the first visit and the second replays. The second visit must not apply the window change
+    again (YaRN's apply compounds: the frozen-value check raised before train_step's `repeat`),
+    and the timed run equals the eager one. Not covered here: the untie step repeated (these 2
+    stages have none) and the gap flush between the visits (step 6 is the last, an event step)."""
+    from track_1_short.perf.cuda_graphs.capture_plan import warmup_visit_plan
+    from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
+    from track_1_short.schedule import Schedule
+
+    eager = micro_config(shard_dir, tmp_path, "eager", max_steps=7)
+    eager.data = dataclasses.replace(eager.data, slices_per_step=slices_per_step)
+    assert warmup_visit_plan(Schedule(eager.schedule), num_steps=7) == [0, 1, 4, 5, 6, 6]
+    assert train(eager) == 0
+    cfg = micro_config(shard_dir, tmp_path, "graphs", compile=True, compile_backend="aot_eager",
+                       max_steps=7)
+    cfg.data = dataclasses.replace(cfg.data, slices_per_step=slices_per_step)
+    cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
+    assert train(cfg, graph_backend=RecordingGraphBackend()) == 0
+    summary = json.loads((tmp_path / "graphs" / "summary.json").read_text())
+    report = summary["capture_report"]
+    assert [row["steps_served"] for row in report] == [6, 1]
+    assert all(row["self_checks"] == 1 for row in report)
+    assert _losses(tmp_path / "graphs") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4)
+
+
 def test_warmup_only_compiles_captures_and_exits(shard_dir, tmp_path, fresh_dynamo):
     """--warmup-only runs main()'s phases up to seal() (every key captured and self-checked, every
     validation window compiled), writes warmup.json and trains no timed step."""

@@ -264,11 +264,13 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
 
 # ---------------------------------------------------------------- one step
 
-def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
+def train_step(run: Run, step: int, loader: LookaheadLoader, *, repeat: bool = False) -> Tensor:
     """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
-    on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps."""
+    on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps.
+    repeat: the warmup's second visit of the step it just ran (a key that serves a single step);
+    the step's one-time transitions (YaRN window change, embed/head untie) already happened."""
     plan = run.plans[step]
-    if plan.window_change is not None:
+    if plan.window_change is not None and not repeat:
         run.model.apply_window_change(*plan.window_change)  # YaRN tables in place, scales move
     ngram, fwd_cfg = run.model.ngram_table, run.fwd_cfgs[step]
     total = torch.zeros((), device=run.ctx.device)
@@ -286,7 +288,7 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
     run.timer.mark(step, "micro_steps")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     run.optimizer.step(step, plan.lr_mul, plan.momentum)
-    if step == run.untie_step:
+    if step == run.untie_step and not repeat:
         run.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
     run.timer.mark(step, "optimizer")
     if plan.ngram_event:
@@ -391,7 +393,7 @@ def warmup_and_capture(run: Run) -> None:
                     run.model.apply_window_change(run.cfg.schedule.stages[prev_stage].ws_long,
                                                   plan.ws_long)
                 prev_stage = plan.stage_index
-                loss = train_step(run, step, loader)
+                loss = train_step(run, step, loader, repeat=i > 0 and visits[i - 1] == step)
                 if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
                     # The steps the plan skips here would have applied the held gradients (an
                     # event comes every ngram_cycle steps); without this the next block overflows

@@ -16,17 +16,18 @@ elapsed() { echo $(( $(date +%s) - start )); }
 
 # One trainer run: `run_trainer PRESET NGPUS MODE [LIMIT_S]`, MODE one of warmup (compile + capture
 # every key, then exit: --warmup-only), on, off (--graphs on|off); log in $L/PRESET-NGPUSgpu-MODE.log,
-# run dir under $OUT/runs. LIMIT_S (default 588) keeps the device tool's 600 s call limit.
+# run dir under $OUT/runs. LIMIT_S (default 580; a run ignoring SIGTERM is killed 15 s later) keeps the device tool's
+# 600 s call limit.
 run_trainer() {
   local preset=${1:?usage: run_trainer PRESET NGPUS warmup|on|off [LIMIT_S]} ngpus=${2:?} mode=${3:?}
-  local limit=${4:-588} flags
+  local limit=${4:-580} flags
   case "$mode" in
     warmup) flags=(--graphs on --warmup-only) ;;
     on|off) flags=(--graphs "$mode") ;;
     *) echo "run_trainer: MODE must be warmup, on or off, got '$mode'" >&2; return 2 ;;
   esac
   local id="$preset-${ngpus}gpu-$mode"
-  timeout "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpus" \
+  timeout -k 15 "$limit" python3 -m torch.distributed.run --standalone --nproc_per_node "$ngpus" \
       -m track_1_short.train --preset "$preset" "${flags[@]}" --run-id "$id" --runs-dir "$OUT/runs" \
       --no-save-final > "$L/$id.log" 2>&1
   echo "exit $? after $(elapsed) s" >> "$L/$id.log"

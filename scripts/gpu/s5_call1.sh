@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Device call 1 of the fourth lease (nvidia-h200-x2, cold machine): `bash scripts/gpu/s5_call1.sh`.
 #   - the speedrun preset's warmup on 2 GPUs (4 micro-steps per rank): compiles and captures every
-#     key into build/inductor_cache (~7 minutes cold: the third lease's attempt reached stage C's
-#     last visit at 347 s), so the timed runs after it fit one call each;
+#     key into build/inductor_cache (390 s cold in the fourth lease), so the timed runs after it
+#     fit one call each;
 #   - alongside, on GPU 1 at the lowest priority and 4 cores: the fp8 GPU tests on the current code
-#     (every GEMM operand layout made in traced code, not yet GPU-run; ~25 s).
+#     (every GEMM operand layout made in traced code; ~25 s).
 # Then, each within the warm window of the previous call:
 #   bash scripts/gpu/run_preset.sh speedrun 2 on
 #   bash scripts/gpu/run_preset.sh speedrun 2 off

@@ -5,6 +5,7 @@
 # gone, and is fp8 now faster than bf16?). LIMIT_S: the device seconds left for the call.
 source "$(dirname "$0")/common.sh"
 limit=${1:?usage: s5_fp8_bench.sh LIMIT_S}
+(( limit > 0 )) || { echo "s5_fp8_bench.sh: LIMIT_S must be > 0 (timeout 0 means no limit), got '$limit'" >&2; exit 2; }
 n=$(nproc); h=$(( n / 2 ))
 export TORCHINDUCTOR_COMPILE_THREADS=$h
 bench() {  # bench GPU CORES MODE

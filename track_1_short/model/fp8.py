@@ -7,9 +7,7 @@ faster: Hopper's fp8 tensor cores have twice the dense bf16 peak (H100/H200 SXM 
 TFLOP/s) and the operands are half the bytes; the lm head GEMM [T, 768] x [768, 50304] is the step's
 largest. Correctness: tests/test_fp8_gpu.py (each site vs the reference and bf16 at the speedrun
 shapes, compiled vs eager, captured and replayed, the delayed MLP-down scales under capture, tiny
-GPT fp8 vs bf16) passed on the H200 for the first design (one opaque op quantising inside) and for
-the traced-quantisation design (2026-11-30, 9 passed each); the operand layouts of the current
-version (below) are CPU-tested only.
+GPT fp8 vs bf16) passed on the H200 for all three designs below (2026-11-30, 9 passed each).
 
 Speed, measured (bench/model.py --fp8 / --no-fp8, one H200, forward + backward per micro-step;
 docs/results/README.md):
@@ -21,8 +19,10 @@ docs/results/README.md):
   transposed copies of x8, w8 and g8 for cuBLASLt.
 - current: every layout made in traced code (row_major / col_major), so inductor writes each
   transposed operand from a Triton kernel (with the quantisation or right after it) instead of
-  aten's copy; the body only checks. NOT measured yet (TODO(model owner): bench/model.py --fp8
-  --no-fp8 --profile-top 20 on the H200), so Fp8Config.enabled defaults to False.
+  aten's copy; the body only checks. 0.979x of bf16 at key A (30.41 vs 31.07 ms;
+  model_fp8_layouts_h200_A.json), no aten fp8 copy among the 20 largest kernels. Key C and the
+  effect on loss over a run are not measured (TODO(model owner)), so Fp8Config.enabled defaults
+  to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -162,7 +162,7 @@ DIM_MULTIPLE = 16  # _scaled_mm: T, K and N multiples of 16 (see module docstrin
 
 @dataclass(slots=True, kw_only=True)
 class Fp8Config:
-    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until its speed is measured (docstring)
+    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until key C and loss are measured (docstring)
     # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
     # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
     bootstrap_steps: int = 16
