@@ -247,7 +247,7 @@ def test_key_serving_one_step_is_warmed_up_at_that_step_twice(shard_dir, tmp_pat
     change): the warmup plan visits step 6 twice. With 1 micro-step (as on 8 GPUs) the key is
     captured at the first visit and replayed + self-checked at the second; with 2 both happen in
     the first visit and the second replays. The second visit must not apply the window change
-    again (YaRN's apply compounds: the frozen-value check raised before train_step's `repeat`),
+    again (YaRN's apply compounds: the frozen-value check raised before GPT.set_yarn_window),
     and the timed run equals the eager one. Not covered here: the untie step repeated (these 2
     stages have none) and the gap flush between the visits (step 6 is the last, an event step)."""
     from track_1_short.perf.cuda_graphs.capture_plan import warmup_visit_plan

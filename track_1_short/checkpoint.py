@@ -125,13 +125,11 @@ def load_checkpoint(run: "Run", path: Path) -> int:
 
 
 def _advance_schedule_state(run: "Run", steps_done: int) -> None:
-    """YaRN tables and scales as they stand after `steps_done` steps (the loaded tables are the
-    saved ones; the Python float scales are recomputed by replaying the window changes)."""
+    """YaRN tables and scales as they stand after `steps_done` steps (the Python float scales are
+    not in the checkpoint: the window moves are replayed in order from the base tables)."""
     run.model.reset_yarn()
-    for step in range(1, steps_done):  # a change at step `steps_done` is train_step's to apply
-        change = run.schedule.plan(step).window_change
-        if change is not None:
-            run.model.apply_window_change(*change)
+    for step in range(steps_done):  # a move at step `steps_done` is train_step's to make
+        run.model.set_yarn_window(run.schedule.plan(step).ws_long)
 
 
 @torch.no_grad()

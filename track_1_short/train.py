@@ -264,14 +264,13 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
 
 # ---------------------------------------------------------------- one step
 
-def train_step(run: Run, step: int, loader: LookaheadLoader, *, repeat: bool = False) -> Tensor:
+def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
     """One optimizer step over `micro_steps` micro-batches; returns the mean per-token loss (0-d,
-    on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps.
-    repeat: the warmup's second visit of the step it just ran (a key that serves a single step);
-    the step's one-time transitions (YaRN window change, embed/head untie) already happened."""
+    on the device, owned by the caller). Each micro-step's loss is its sum / micro_steps. The
+    step's one-time transitions (YaRN window, embed/head untie) follow the model's and optimizer's
+    state, so the warmup may run a step twice or jump over a stage's first step."""
     plan = run.plans[step]
-    if plan.window_change is not None and not repeat:
-        run.model.apply_window_change(*plan.window_change)  # YaRN tables in place, scales move
+    run.model.set_yarn_window(plan.ws_long)  # at a ws_long change: YaRN tables in place, scales move
     ngram, fwd_cfg = run.model.ngram_table, run.fwd_cfgs[step]
     total = torch.zeros((), device=run.ctx.device)
     for micro in range(run.micro_steps):
@@ -288,7 +287,7 @@ def train_step(run: Run, step: int, loader: LookaheadLoader, *, repeat: bool = F
     run.timer.mark(step, "micro_steps")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     run.optimizer.step(step, plan.lr_mul, plan.momentum)
-    if step == run.untie_step and not repeat:
+    if step == run.untie_step and run.optimizer.tied:
         run.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
     run.timer.mark(step, "optimizer")
     if plan.ngram_event:
@@ -379,7 +378,6 @@ def warmup_and_capture(run: Run) -> None:
         print(describe_plan(run.schedule, keys, visits), flush=True)
     loader = make_loader(run, seed_offset=10_000, steps=visits)
     t0 = time.perf_counter()
-    prev_stage = 0
     # Validation windows by stage: each one's eval graph compiles here, in the YaRN state it will
     # run in, so no validation of the timed run stops to compile.
     to_validate = validation_stages(run)
@@ -388,12 +386,7 @@ def warmup_and_capture(run: Run) -> None:
         try:
             for i, step in enumerate(visits):
                 plan = run.plans[step]
-                if plan.window_change is None and plan.stage_index != prev_stage:
-                    # jumped over the stage's first step: bring YaRN to this stage's window
-                    run.model.apply_window_change(run.cfg.schedule.stages[prev_stage].ws_long,
-                                                  plan.ws_long)
-                prev_stage = plan.stage_index
-                loss = train_step(run, step, loader, repeat=i > 0 and visits[i - 1] == step)
+                loss = train_step(run, step, loader)
                 if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
                     # The steps the plan skips here would have applied the held gradients (an
                     # event comes every ngram_cycle steps); without this the next block overflows

@@ -35,8 +35,8 @@ specializes on: shapes, ForwardScheduleConfig's ints, the YaRN attn_scale floats
 backend, len(mtp_weights). No .item(), host syncs or data-dependent shapes in forward/eval_ce.
 
 Call order (trainer): GPT(cfg) -> cast params -> .to(device) -> resolve_attention_backend(device)
-(logged) -> set_prefix_table(...) in the timed region -> per step model(...) -> at stage changes
-apply_window_change(old_ws_long, new_ws_long) -> after warmup reset_yarn() (+ ngram_table.reset()).
+(logged) -> set_prefix_table(...) in the timed region -> per step set_yarn_window(ws_long) (YaRN
+moves where ws_long changes) and model(...) -> after warmup reset_yarn() (+ ngram_table.reset()).
 
 Deviations from HEAD: no MUDD/XSA/DC (so no attention output gates, layer-10 V term, backout); the
 layer-6 skip gate is a plain parameter (init 0.5) instead of a MUDD output; layers 8-10 read
@@ -200,6 +200,7 @@ class GPT(nn.Module):
         self.fp8 = Fp8Matmuls(c.fp8, num_layers=nl)  # per-layer MLP-down delayed scales
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
+        self.yarn_window: int | None = None  # ws_long the YaRN tables serve (None: the base tables)
 
     # ---- trainer-facing helpers (eager) ----
 
@@ -221,9 +222,20 @@ class GPT(nn.Module):
             for y in (self.yarn, self.yarn_paired_head, self.yarn_wide):
                 y.apply(old_ws_long, new_ws_long)
 
+    def set_yarn_window(self, ws_long: int):
+        """YaRN for the training window ws_long, from the window the tables serve now: nothing when
+        they already serve it (a step run again, a stage's later steps), apply_window_change
+        otherwise. The first call after construction or reset_yarn() only records ws_long (the
+        base tables serve the first stage). Windows must come in schedule order: YaRN updates
+        compound (384 -> 896 -> 1408 is not 384 -> 1408)."""
+        if self.yarn_window is not None:
+            self.apply_window_change(self.yarn_window, ws_long)
+        self.yarn_window = ws_long
+
     def reset_yarn(self):
         for y in (self.yarn, self.yarn_paired_head, self.yarn_wide):
             y.reset()
+        self.yarn_window = None
 
     @torch.no_grad()
     def set_prefix_table(self, table: Tensor):

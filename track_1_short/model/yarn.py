@@ -23,8 +23,9 @@ What must stay stable: `cos`, `sin`, `freqs` (and `freqs_init`) are registered b
 written in place only. `attn_scale` is a Python float the compiled forward bakes; the step graphs
 re-check it at every replay (seed: StepGraphs._attn_scales).
 
-Call order: built by GPT.__init__; GPT.apply_window_change(old, new) at each stage transition where
-ws_long changes (eagerly, outside the compiled forward); GPT.reset_yarn() in the post-warmup reset.
+Call order: built by GPT.__init__; GPT.set_yarn_window(ws_long) before every training step, which
+calls GPT.apply_window_change(old, new) where ws_long changes (eagerly, outside the compiled
+forward); GPT.reset_yarn() in the post-warmup reset.
 
 Deviations: a `wide` third instance (for the long-window layers, own attn_scale) does not exist in
 HEAD; by default it follows ws_long exactly like the other two (see GPT.apply_window_change).
