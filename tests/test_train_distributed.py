@@ -10,7 +10,7 @@ import pytest
 from tests.mp_utils import free_port, set_rank_env
 import torch.multiprocessing as mp
 
-from tests.test_train import micro_config
+from micro import micro_config
 from track_1_short.train import train
 
 

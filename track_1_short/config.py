@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,11 @@ class DataConfig:
         if self.slices_per_step < 1:
             raise ValueError(f"DataConfig.slices_per_step={self.slices_per_step} must be >= 1")
         if self.val_tokens_per_batch < 128:
-            raise ValueError(f"--val-tokens-per-batch={self.val_tokens_per_batch} must be >= 128")
+            raise ValueError(f"--val-tokens-per-batch {self.val_tokens_per_batch}: must be >= 128")
+        if self.val_tokens < self.val_tokens_per_batch + 1:
+            raise ValueError(f"--val-tokens {self.val_tokens}: smaller than one validation batch "
+                             f"(--val-tokens-per-batch {self.val_tokens_per_batch} tokens + 1 target); "
+                             f"raise --val-tokens or lower --val-tokens-per-batch")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -70,9 +75,10 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0  # checkpoint every N steps (0: only at the end when --save-final)
     save_final: bool = True
-    resume: Path | None = None  # a checkpoint dir written by this trainer
+    resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
-    run_id: str | None = None  # default: <preset>-<timestamp>
+    run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
+    overwrite: bool = False  # an existing run dir of this run id is emptied and reused
     timeout_s: float = 600.0  # collective timeout: a dead rank becomes an error naming it
     # torch.use_deterministic_algorithms for the run (train.deterministic_mode): run-to-run
     # reproducible kernels where torch has them (a warning names each op that has none); slower
@@ -103,6 +109,9 @@ class TrainConfig:
             raise ValueError("--warmup-only with --resume: a warmup-only run trains no step; drop one")
         if self.save_every < 0 or self.log_every < 1:
             raise ValueError("--save-every must be >= 0 and --log-every >= 1")
+        if self.run_id is not None and (not self.run_id or "/" in self.run_id or
+                                        self.run_id in (".", "..")):
+            raise ValueError(f"--run-id {self.run_id!r}: must be a plain folder name (no '/')")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -114,6 +123,13 @@ class RunConfig:
     graphs: StepGraphsConfig
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    needs_cuda: bool = False  # a GPU preset: refused up front on a machine without CUDA
+
+    @property
+    def checkpoint_period(self) -> int:
+        """Steps between the boundaries where nothing is held across (checkpoint.aligned): after
+        an Adam step and after an n-gram update event."""
+        return math.lcm(self.schedule.adam_every, self.optim.adam_every, self.schedule.ngram_cycle)
 
     def __post_init__(self):
         if self.graphs.mode != "off" and not self.train.compile:
@@ -124,6 +140,13 @@ class RunConfig:
             raise ValueError(f"model.max_position={self.model.max_position} must cover 2x the "
                              f"largest step ({largest} tokens, paired heads double positions) and "
                              f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
+        period = self.checkpoint_period
+        if self.train.save_every % period:
+            lower = self.train.save_every // period * period
+            hint = f"--save-every {lower} or {lower + period}" if lower else f"--save-every {period}"
+            raise ValueError(f"--save-every {self.train.save_every}: checkpoints can only be taken "
+                             f"every {period} steps (after an Adam step and an n-gram update event, "
+                             f"where nothing is held across the step boundary); use {hint}")
         if self.model.ngram.cache_rows < 2 * max(largest, self.data.val_tokens_per_batch):
             raise ValueError(f"model.ngram.cache_rows={self.model.ngram.cache_rows} must hold 2 rows "
                              f"per token of the largest batch")
@@ -152,7 +175,7 @@ def preset(name: str) -> RunConfig:
     """The named preset's RunConfig (before CLI overrides)."""
     if name == "speedrun":
         return RunConfig(preset=name, model=GPTConfig(), schedule=ScheduleConfig(),
-                         optim=AnvilConfig(), graphs=StepGraphsConfig())
+                         optim=AnvilConfig(), graphs=StepGraphsConfig(), needs_cuda=True)
     if name == "small-gpu":
         stages = _scaled_stages((60, 60, 60, 8))
         num_steps = sum(s.num_steps for s in stages)
@@ -161,7 +184,7 @@ def preset(name: str) -> RunConfig:
                                                  momentum_cooldown_steps=10, val_every_steps=60),
                          optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=40,
                                            momentum_cooldown_steps=10),
-                         graphs=StepGraphsConfig())
+                         graphs=StepGraphsConfig(), needs_cuda=True)
     if name == "cpu-tiny":
         stages = _tiny_stages()
         num_steps = sum(s.num_steps for s in stages)
@@ -178,48 +201,88 @@ def preset(name: str) -> RunConfig:
     raise ValueError(f"unknown preset {name!r}: one of {PRESETS}")
 
 
+def _int_at_least(low: int):
+    """argparse type: an int >= low (argparse names the flag in its exit-2 message)."""
+    def parse_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse_int
+
+
+def _by_preset(read) -> str:
+    """'speedrun X, small-gpu Y, cpu-tiny Z': a setting's default in each preset, for --help."""
+    values = {name: read(preset(name)) for name in PRESETS}
+    if len(set(map(str, values.values()))) == 1:
+        return f"default {next(iter(values.values()))}"
+    return "default " + ", ".join(f"{name} {value}" for name, value in values.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m track_1_short.train",
+                                usage="%(prog)s [--preset NAME] [options] (--help lists them)",
                                 description="GPT-2-small speedrun trainer (CUDA-graph training step)")
-    p.add_argument("--preset", choices=PRESETS, default="cpu-tiny",
-                   help="speedrun (8-GPU record schedule), small-gpu (same keys, fewer steps), "
-                        "cpu-tiny (CPU smoke run); default cpu-tiny")
-    p.add_argument("--data-dir", type=Path, help="shard dir (default data/embedded)")
-    p.add_argument("--graphs", choices=GRAPH_MODES,
-                   help="on: CUDA-graph step; off: compiled model launched eagerly; check: graphs "
-                        "plus sampled self-checks during the timed run")
-    p.add_argument("--check-fraction", type=float, help="--graphs check: share of steps checked")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for GPU presets)")
-    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
-                   help="fp8 lm head / MLP matmuls on CUDA (--no-fp8: bf16)")
-    p.add_argument("--compile-cache", type=Path,
-                   help="portable compile-cache file: loaded if present, written after warmup (lets a "
-                        "fresh machine skip most of the compile)")
-    p.add_argument("--warmup-only", action="store_true",
-                   help="compile, capture and self-check every key, write warmup.json, exit (fills "
-                        "the compile caches for a following run on the same machine)")
-    p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
-                   help="attention backend (default auto: chosen per device and logged)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
-    p.add_argument("--seed", type=int, help="model init seed")
-    p.add_argument("--data-seed", type=int, help="document order seed")
-    p.add_argument("--max-steps", type=int, help="stop after this many steps")
-    p.add_argument("--val-every", type=int, help="validate every N steps (and at the end)")
-    p.add_argument("--val-tokens", type=int, help="use at most this many validation tokens")
-    p.add_argument("--save-every", type=int, help="checkpoint every N steps")
-    p.add_argument("--no-save-final", action="store_true", help="skip the final checkpoint")
-    p.add_argument("--resume", type=Path, help="checkpoint dir to resume from (exact continuation)")
-    p.add_argument("--runs-dir", type=Path, help="where run dirs go (default runs/)")
-    p.add_argument("--run-id", help="run dir name (default <preset>-<timestamp>)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--profile-steps", type=_step_range, metavar="START:END",
-                   help="torch.profiler over timed steps [START, END) (rank 0): chrome trace and "
-                        "profile.json (kernel time, busy time, top kernels) in the run dir")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels where torch has them (reproducible runs for "
-                        "debugging and tests; slower); ops without one warn, naming the op")
-    p.add_argument("--log-every", type=int, help="train-loss log cadence in steps")
+    add = p.add_argument
+    add("--preset", choices=PRESETS, default="cpu-tiny",
+        help="speedrun (8-GPU record schedule), small-gpu (same keys, fewer steps), cpu-tiny (CPU "
+             "smoke run); default cpu-tiny (./run.sh passes speedrun on a GPU machine)")
+    add("--data-dir", type=Path, help=f"shard dir ({_by_preset(lambda c: c.data.data_dir)})")
+    add("--graphs", choices=GRAPH_MODES,
+        help="on: CUDA-graph step; off: compiled model launched eagerly; check: graphs plus sampled "
+             f"self-checks during the timed run ({_by_preset(lambda c: c.graphs.mode)})")
+    add("--check-fraction", type=float,
+        help=f"--graphs check: share of steps checked ({_by_preset(lambda c: c.graphs.check_fraction)})")
+    add("--compile", action=argparse.BooleanOptionalAction, default=None,
+        help=f"torch.compile the model ({_by_preset(lambda c: c.train.compile)})")
+    add("--fp8", action=argparse.BooleanOptionalAction, default=None,
+        help=f"fp8 lm head / MLP matmuls on CUDA ({_by_preset(lambda c: c.model.fp8.enabled)})")
+    add("--compile-cache", type=Path,
+        help="portable compile-cache file: loaded if present, written after warmup (lets a fresh "
+             "machine skip most of the compile); default none")
+    add("--warmup-only", action="store_true",
+        help="compile, capture and self-check every key, write warmup.json, exit (fills the "
+             "compile caches for a following run on the same machine)")
+    add("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
+        help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
+    add("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
+    add("--seed", type=int, help=f"model init seed ({_by_preset(lambda c: c.train.seed)})")
+    add("--data-seed", type=int, help=f"document order seed ({_by_preset(lambda c: c.data.seed)})")
+    add("--max-steps", type=_int_at_least(1),
+        help="stop after this many steps (default the whole schedule: "
+             f"{_by_preset(lambda c: sum(s.num_steps for s in c.schedule.stages))[8:]})")
+    add("--val-every", type=_int_at_least(1),
+        help=f"validate every N steps and at the end ({_by_preset(lambda c: c.schedule.val_every_steps)})")
+    add("--val-tokens", type=_int_at_least(2),
+        help=f"use at most this many validation tokens ({_by_preset(lambda c: c.data.val_tokens)})")
+    add("--val-tokens-per-batch", type=_int_at_least(128),
+        help=f"validation tokens per rank per forward "
+             f"({_by_preset(lambda c: c.data.val_tokens_per_batch)})")
+    add("--save-every", type=_int_at_least(0),
+        help="checkpoint every N steps, a multiple of 2 (the Adam / n-gram cadence); default 0: "
+             "only the final checkpoint")
+    add("--no-save-final", action="store_true", help="skip the final checkpoint")
+    add("--resume", type=Path,
+        help="continue exactly from a checkpoint folder, or from the newest complete checkpoint "
+             "of a run dir; the run continues in that run dir unless --run-id names another")
+    add("--runs-dir", type=Path, help="where run dirs go (default runs/)")
+    add("--run-id", help="run dir name (default <preset>-<timestamp>); an existing one is refused "
+                         "unless --overwrite or --resume")
+    add("--overwrite", action="store_true",
+        help="empty an existing run dir of this --run-id and start it clean")
+    add("--device", choices=("auto", "cuda", "cpu"),
+        help=f"device ({_by_preset(lambda c: c.train.device)}; auto: cuda if available)")
+    add("--profile-steps", type=_step_range, metavar="START:END",
+        help="torch.profiler over timed steps [START, END) (rank 0): chrome trace and profile.json "
+             "(kernel time, busy time, top kernels) in the run dir")
+    add("--deterministic", action="store_true",
+        help="deterministic kernels where torch has them (reproducible runs for debugging and "
+             "tests; slower); ops without one warn, naming the op")
+    add("--log-every", type=_int_at_least(1),
+        help=f"train-loss log cadence in steps ({_by_preset(lambda c: c.train.log_every)})")
     return p
 
 
@@ -245,12 +308,11 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.data, "data_dir", args.data_dir)
     _set(cfg.data, "seed", args.data_seed)
     _set(cfg.data, "val_tokens", args.val_tokens)
+    _set(cfg.data, "val_tokens_per_batch", args.val_tokens_per_batch)
     _set(cfg.graphs, "mode", args.graphs)
     _set(cfg.graphs, "check_fraction", args.check_fraction)
     _set(cfg.train, "compile", args.compile)
     _set(cfg.train, "compile_cache", args.compile_cache)
-    if args.warmup_only:
-        cfg.train.warmup_only = True
     _set(cfg.train, "optimizer", args.optimizer)
     _set(cfg.train, "seed", args.seed)
     _set(cfg.train, "max_steps", args.max_steps)
@@ -260,21 +322,21 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.train, "run_id", args.run_id)
     _set(cfg.train, "device", args.device)
     _set(cfg.train, "log_every", args.log_every)
+    _set(cfg.train, "profile_steps", args.profile_steps)
     _set(cfg.schedule, "val_every_steps", args.val_every)
     _set(cfg.model, "attention_backend", args.attention)
-    if args.fp8 is not None:
-        cfg.model.fp8.enabled = args.fp8
+    _set(cfg.model.fp8, "enabled", args.fp8)
+    for flag, obj, name in ((args.warmup_only, cfg.train, "warmup_only"),
+                            (args.deterministic, cfg.train, "deterministic"),
+                            (args.overwrite, cfg.train, "overwrite")):
+        if flag:
+            setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
-    if args.deterministic:
-        cfg.train.deterministic = True
-    _set(cfg.train, "profile_steps", args.profile_steps)
     # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
     for part in (cfg.data, cfg.train, cfg.graphs, cfg.schedule, cfg.model):
         part.__post_init__()
     cfg.__post_init__()
-    if args.resume is not None and not (args.resume / ".metadata").is_file():
-        raise ValueError(f"--resume {args.resume}: not a complete checkpoint (no .metadata file)")
     return cfg
 
 

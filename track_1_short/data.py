@@ -139,6 +139,42 @@ def list_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
     return shards
 
 
+@dataclass(slots=True, frozen=True)
+class ShardStats:
+    """What check_shards found: token counts per split and the shards checked."""
+
+    train_tokens: int
+    val_tokens: int
+    shards: tuple[Path, ...]
+
+
+def check_shard(path: Path, vocab_size: int = GPT2_VOCAB) -> int:
+    """Header, size, token range and BOS of one shard without reading it into memory (a memmap and
+    two vectorised passes); returns its token count. DataError names the file and the fix."""
+    count = read_header(path)
+    if count == 0:
+        raise DataError(f"{path}: an empty shard (0 tokens); delete it and {PREPARE_HINT}")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+    top = int(tokens.max())
+    if top >= vocab_size:
+        raise DataError(f"{path}: token id {top} >= vocab size {vocab_size}; the shard was not "
+                        f"written with the GPT-2 tokenizer or is damaged. Re-prepare it ({PREPARE_HINT})")
+    if not (tokens == BOS_ID).any():
+        raise DataError(f"{path}: no BOS ({BOS_ID}) token: documents must each start with BOS; "
+                        f"re-prepare it ({PREPARE_HINT})")
+    return count
+
+
+def check_shards(data_dir: str | os.PathLike, vocab_size: int = GPT2_VOCAB) -> ShardStats:
+    """check_shard on every train and val shard of a data dir, before a run starts."""
+    counts = {}
+    for split in ("train", "val"):
+        counts[split] = [(p, check_shard(p, vocab_size)) for p in list_shards(data_dir, split)]
+    return ShardStats(train_tokens=sum(c for _, c in counts["train"]),
+                      val_tokens=sum(c for _, c in counts["val"]),
+                      shards=tuple(p for split in counts.values() for p, _ in split))
+
+
 # ---------------------------------------------------------------- training stream
 
 @dataclass(slots=True, frozen=True)

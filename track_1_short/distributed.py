@@ -13,10 +13,13 @@ Contract:
 - Dead or stuck ranks: every collective has `timeout_s`. On NCCL the watchdog aborts the
   communicator when a collective exceeds it and raises in the waiting rank (torch's default
   TORCH_NCCL_ASYNC_ERROR_HANDLING=3 tears down instead of hanging; we do not override a value the
-  launcher set). The NCCL error says which collective timed out, not which peer is missing, so
-  `check_ranks_alive()` runs a gloo `monitored_barrier` on a CPU side group: it raises a
-  RuntimeError naming the ranks that did not arrive (use it at startup and after warmup, where a
-  missing rank is most likely, not in the hot loop).
+  launcher set); gloo raises at once when a peer's connection closes. Neither error says which
+  rank is gone (gloo names a host:port, and a monitored_barrier over the broken group fails the
+  same way), so after such a failure (`is_comm_failure`) the trainer asks `lost_ranks()`: every
+  surviving rank checks in at the rendezvous store, and the ranks that never do are named.
+- `health_group`: a gloo group on the CPU (the world group itself under gloo) for the trainer's
+  host-side agreements (the run id, the run dir claim, the graceful stop), which must not wait
+  on the GPU stream.
 - `grad_accum_steps(world_size)`: the speedrun's per-rank shapes are those of one of 8 ranks, so a
   smaller world runs 8 / world_size micro-steps per step (DESIGN section 3).
 - `destroy_distributed()` is safe to call when nothing was initialised.
@@ -27,6 +30,7 @@ parallel + the optimizer's own sharding).
 """
 
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -43,7 +47,7 @@ class DistributedContext:
     local_rank: int
     device: torch.device
     backend: str | None  # "nccl", "gloo", or None (single process, no process group)
-    health_group: object | None = field(default=None, repr=False)  # gloo group for check_ranks_alive
+    health_group: object | None = field(default=None, repr=False)  # gloo group for host agreements
 
     @property
     def is_main(self) -> bool:
@@ -87,12 +91,30 @@ def init_distributed(timeout_s: float = 300.0, device_type: str | None = None) -
                               backend=backend, health_group=health)
 
 
-def check_ranks_alive(ctx: DistributedContext, timeout_s: float):
-    """Barrier that raises RuntimeError naming the ranks that did not arrive within timeout_s."""
-    if ctx.backend is None:
-        return
-    dist.monitored_barrier(group=ctx.health_group, timeout=timedelta(seconds=timeout_s),
-                           wait_all_ranks=True)
+def is_comm_failure(error: BaseException) -> bool:
+    """A collective failed because a peer is gone (gloo's closed connection, NCCL's abort)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer",
+                                      "NCCL communicator was aborted", "Broken pipe"))
+
+
+def lost_ranks(ctx: DistributedContext, tag: str, wait_s: float) -> list[int]:
+    """After a failed collective: the ranks that do not check in within wait_s.
+
+    Every surviving rank writes `t1s/alive/<tag>/<rank>` to the rendezvous store (a TCP server
+    beside rank 0 that outlives a dead worker's connections, unlike the process group's) and waits
+    for the others' keys; a rank whose key never comes is named."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"t1s/alive/{tag}/{ctx.rank}", "1")
+    keys = {r: f"t1s/alive/{tag}/{r}" for r in range(ctx.world_size)}
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        missing = [r for r, key in keys.items() if not store.check([key])]
+        if not missing:
+            return []
+        time.sleep(0.1)
+    return missing
 
 
 def grad_accum_steps(world_size: int, reference_world_size: int = REFERENCE_WORLD_SIZE) -> int:

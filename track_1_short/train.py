@@ -30,12 +30,11 @@ from tqdm import tqdm
 
 from track_1_short import config as config_mod
 from track_1_short import report
-from track_1_short.checkpoint import (CheckpointError, load_checkpoint, restore_state, save_checkpoint,
-                                      snapshot_state)
 from track_1_short.config import RunConfig
 from track_1_short.data import (DataError, SliceShape, load_val_tokens, make_train_loader,
                                 num_val_slices, val_batches)
-from track_1_short.distributed import DistributedContext, destroy_distributed, init_distributed
+from track_1_short.distributed import (DistributedContext, destroy_distributed, init_distributed,
+                                       is_comm_failure, lost_ranks)
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
 from track_1_short.model.loss import build_prefix_table
 from track_1_short.perf.profiling import StepProfiler
@@ -50,6 +49,12 @@ from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
 from track_1_short.schedule import Schedule, StepPlan
 from track_1_short.tokenizer import mergeable_ranks
+from track_1_short.trainer import checkpoint
+from track_1_short.trainer.checkpoint import CheckpointError, CheckpointInfo
+from track_1_short.trainer.preflight import PreflightError, check_device, preflight
+from track_1_short.trainer.run_dir import RunDir, RunDirError, claim_run_dir, truncate_metrics
+from track_1_short.trainer.snapshot import restore_state, snapshot_state
+from track_1_short.trainer.stop import GracefulStop
 
 BF16_PARAMS = ("embed.weight", "lm_head", "qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight")
 
@@ -87,6 +92,9 @@ class Run:
     # dynamo graphs compiled per phase ("warmup", "timed": must stay 0) and the compile cache's log
     compiles: dict[str, int] = field(default_factory=dict)
     compile_cache: dict = field(default_factory=dict)
+    steps_done: int = 0  # steps trained so far (the timed run's position)
+    last_saved_step: int | None = None  # steps_done of this run dir's newest checkpoint by this run
+    stop: GracefulStop | None = None  # SIGTERM / SIGINT: stop at the next checkpoint boundary
 
 
 class StepTimer:
@@ -145,12 +153,6 @@ class StepTimer:
 
 # ---------------------------------------------------------------- build
 
-def _device(cfg: RunConfig, ctx: DistributedContext) -> torch.device:
-    if cfg.train.device == "cuda" and ctx.device.type != "cuda":
-        raise ValueError("--device cuda but no CUDA device is available")
-    return ctx.device
-
-
 def build_model(cfg: RunConfig, device: torch.device) -> GPT:
     """The GPT on its device: bf16 matrices on CUDA (fp32 masters live in the optimizer)."""
     torch.manual_seed(cfg.train.seed)
@@ -188,10 +190,11 @@ def forward_configs(plans: list[StepPlan], device: torch.device) -> list[Forward
     return out
 
 
-def build(cfg: RunConfig, ctx: DistributedContext, graph_backend=None) -> Run:
-    """graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
-    lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
-    device = _device(cfg, ctx)
+def build(cfg: RunConfig, ctx: DistributedContext, run_dir: Path, graph_backend=None) -> Run:
+    """run_dir: claimed already (trainer/run_dir.py). graph_backend: None for CUDA graphs; the CPU
+    stand-in (capture_support.RecordingGraphBackend) lets tests run the whole graph path (capture,
+    self-check, census, seal) without a GPU."""
+    device = ctx.device
     schedule = Schedule(cfg.schedule)
     num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
     micro_steps = cfg.data.slices_per_step // ctx.world_size
@@ -219,8 +222,6 @@ def build(cfg: RunConfig, ctx: DistributedContext, graph_backend=None) -> Run:
                               adam_every=getattr(optimizer, "adam_every", cfg.optim.adam_every),
                               grad_accum_steps=micro_steps, device=device, backend=graph_backend,
                               ngram_ring_slots=cfg.schedule.ngram_cycle * micro_steps)
-    run_id = cfg.train.run_id or f"{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = cfg.train.runs_dir / run_id
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     val = load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens)
     plans = [schedule.plan(step) for step in range(num_steps)]
@@ -262,6 +263,67 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
         slices_per_step=cfg.data.slices_per_step))
 
 
+# ---------------------------------------------------------------- checkpoints
+
+SHARDED_BUFFERS = ("ngram_table.table", "ngram_table.exp_avg", "ngram_table.exp_avg_sq")
+
+
+def _dcp_state(run: Run) -> dict:
+    """The DCP state dict: replicated model state under "model", each rank's shards under its own
+    keys (optimizer state; the n-gram table's row slice and its Adam state when sharded)."""
+    model = run.model.state_dict()
+    rank = run.ctx.rank
+    state = {f"optim_rank{rank}": run.optimizer.state_dict()}
+    if run.ctx.world_size > 1:
+        state[f"ngram_rank{rank}"] = {k: model.pop(k) for k in SHARDED_BUFFERS}
+    state["model"] = model
+    return state
+
+
+def save_checkpoint(run: Run, steps_done: int) -> Path | None:
+    """ckpt_step<steps_done> in the run dir (trainer/checkpoint.py: atomic swap); collective. A step
+    this run saved last is not written again (the final save right after a periodic one); None,
+    said on its own line, where no exact checkpoint can be taken (an unaligned final step)."""
+    path = checkpoint.checkpoint_path(run.run_dir, steps_done)
+    if steps_done == run.last_saved_step:
+        return path
+    period = run.cfg.checkpoint_period
+    if not checkpoint.aligned(steps_done, period):
+        if run.ctx.is_main:
+            tqdm.write(f"checkpoint after step {steps_done} skipped: checkpoints are exact only every "
+                       f"{period} steps (no Adam or n-gram gradient held across the boundary)")
+        return None
+    meta = {"world_size": run.ctx.world_size, "micro_steps": run.micro_steps,
+            "loader": run.loader.state_dict() if run.loader else None, "val_curve": run.val_curve,
+            "train_time_s": run.train_time_s, "preset": run.cfg.preset}
+    checkpoint.save_checkpoint(run.run_dir, steps_done, _dcp_state(run), meta, is_main=run.ctx.is_main)
+    run.last_saved_step = steps_done
+    if run.ctx.is_main:
+        tqdm.write(f"checkpoint {path}")
+    return path
+
+
+def resume_from(run: Run, info: CheckpointInfo) -> int:
+    """Load a validated checkpoint in place; returns the first step to run."""
+    state = _dcp_state(run)
+    checkpoint.load_checkpoint(info, state)
+    run.optimizer.load_state_dict(state[f"optim_rank{run.ctx.rank}"])
+    steps_done = info.steps_done
+    # YaRN tables and scales as they stand after `steps_done` steps (the Python float scales are
+    # not in the checkpoint: the window moves are replayed in order from the base tables)
+    run.model.reset_yarn()
+    for step in range(steps_done):  # a move at step `steps_done` is train_step's to make
+        run.model.set_yarn_window(run.schedule.plan(step).ws_long)
+    run.val_curve = list(info.meta["val_curve"])
+    run.train_time_s = float(info.meta["train_time_s"])
+    run.loader = make_loader(run, state=info.meta["loader"])
+    if info.path.parent.resolve() == run.run_dir.resolve():
+        run.last_saved_step = steps_done  # continuing in place: that checkpoint is this run's
+    if run.ctx.is_main:
+        print(f"resumed from {info.path} at step {steps_done}", flush=True)
+    return steps_done
+
+
 # ---------------------------------------------------------------- one step
 
 def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
@@ -300,7 +362,7 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
 def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
     """Mean per-token CE over the validation tokens (every rank's slices, reduced)."""
     dcfg, device = run.cfg.data, run.ctx.device
-    T = min(dcfg.val_tokens_per_batch, run.val_tokens.size - 1)
+    T = dcfg.val_tokens_per_batch  # the preflight checked that every rank gets a batch
     ngram = run.model.ngram_table
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
@@ -387,6 +449,8 @@ def warmup_and_capture(run: Run) -> None:
             for i, step in enumerate(visits):
                 plan = run.plans[step]
                 loss = train_step(run, step, loader)
+                if run.stop.should_stop(step, at_boundary=True):
+                    raise _Stopped
                 if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
                     # The steps the plan skips here would have applied the held gradients (an
                     # event comes every ngram_cycle steps); without this the next block overflows
@@ -414,11 +478,13 @@ def warmup_and_capture(run: Run) -> None:
 
 
 def timed_run(run: Run, start_step: int) -> None:
+    """Steps [start_step, num_steps), or until a signal's stop at a checkpoint boundary (run.stop)."""
     cfg = run.cfg
     run.loader = run.loader or make_loader(run)
     bar = tqdm(range(start_step, run.num_steps), desc="train", disable=not run.ctx.is_main,
                file=sys.stdout, mininterval=1.0)
     run.compiles.setdefault("timed", 0)
+    run.steps_done = start_step
     _sync(run)
     clock = time.perf_counter()
 
@@ -437,7 +503,7 @@ def timed_run(run: Run, start_step: int) -> None:
     profiler = _step_profiler(run, start_step)
     for step in bar:
         plan = run.plans[step]
-        if plan.validate and step > start_step:
+        if plan.validate:
             with clock_paused():
                 _validate(run, step, *validation_windows(run, step))
         if profiler is not None:
@@ -460,26 +526,19 @@ def timed_run(run: Run, start_step: int) -> None:
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(this_process, 1e-9):.0f}")
             run.metrics.log(kind="train", step=step, stage=plan.stage, loss=loss,
                             train_time_s=elapsed, lr_mul=plan.lr_mul, epoch=run.loader.epoch)
-        if cfg.train.save_every and (step + 1) % cfg.train.save_every == 0:
+        steps_done = run.steps_done = step + 1
+        if cfg.train.save_every and steps_done % cfg.train.save_every == 0:
             with clock_paused():
-                save_checkpoint(run, step + 1)
+                save_checkpoint(run, steps_done)
+        if run.stop.should_stop(steps_done, checkpoint.aligned(steps_done, cfg.checkpoint_period)):
+            break
     _sync(run)
     run.train_time_s += time.perf_counter() - clock
     bar.close()
 
 
-def _profile_window_fits(run: Run, start_step: int) -> bool:
-    """Whether --profile-steps (if set) lies inside this run's timed steps; prints the error if not."""
-    window = run.cfg.train.profile_steps
-    if window is not None and not start_step <= window[0] < window[1] <= run.num_steps:
-        print(f"error: --profile-steps {window[0]}:{window[1]}: outside this run's timed steps "
-              f"[{start_step}, {run.num_steps}); pick a window inside them", file=sys.stderr)
-        return False
-    return True
-
-
 def _step_profiler(run: Run, start_step: int) -> StepProfiler | None:
-    """--profile-steps on rank 0 (checked by _profile_window_fits before the timed run)."""
+    """--profile-steps on rank 0 (checked against the run's timed steps by the preflight)."""
     window = run.cfg.train.profile_steps
     if window is None or not run.ctx.is_main:
         return None
@@ -589,65 +648,155 @@ def train(cfg: RunConfig, graph_backend=None) -> int:
         return _train(cfg, graph_backend)
 
 
+class _Stopped(Exception):
+    """A signal during the warmup: nothing trained, nothing to save."""
+
+
+def _claim(cfg: RunConfig, ctx: DistributedContext, pre) -> RunDir | None:
+    """Rank 0 claims the run dir (lock, clean-up); every rank learns whether it could."""
+    handle, error = None, None
+    if ctx.is_main:
+        try:
+            handle = claim_run_dir(pre.run_dir, overwrite=cfg.train.overwrite,
+                                   resume_in_place=pre.resume_in_place)
+        except RunDirError as e:
+            error = str(e)
+    if ctx.world_size > 1:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0, group=ctx.health_group)
+        error = box[0]
+    if error is not None:
+        raise RunDirError(error)
+    return handle
+
+
+def _prepare(cfg: RunConfig, ctx: DistributedContext, pre, stop: GracefulStop, graph_backend,
+             started: float) -> Run:
+    """Build, warm up + capture (or skip), reset, census, seal: everything before the timed run."""
+    cache_log = compile_cache.load(cfg.train.compile_cache) if cfg.train.compile_cache else {}
+    run = build(cfg, ctx, pre.run_dir, graph_backend)
+    run.started, run.compile_cache, run.stop = started, cache_log, stop
+    if ctx.is_main and cache_log:
+        print(f"compile cache: {cache_log}", flush=True)
+    if ctx.is_main:
+        print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
+              f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s); validation "
+              f"{num_val_slices(run.val_tokens.size, cfg.data.val_tokens_per_batch)} batch(es) of "
+              f"{cfg.data.val_tokens_per_batch} tokens", flush=True)
+        report.write_json_atomic(run.run_dir / "config.json", cfg.to_dict())
+    initial = snapshot_state(run)
+    if cfg.train.compile or cfg.graphs.mode != "off":
+        warmup_and_capture(run)
+        census_before = baked_addresses.take_census(run.model, run.runner)
+        restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
+        baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
+        if cfg.train.compile_cache and ctx.is_main:
+            # every graph of the run is compiled now (the summary's compiles show none later)
+            run.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
+    elif ctx.is_main:
+        print("warmup skipped: an uncompiled eager model has nothing to compile or capture", flush=True)
+    run.runner.seal()
+    return run
+
+
+def _finish(run: Run, start_step: int) -> int:
+    """After the timed run: final validation and checkpoint, summary and plots; or, after a
+    signal, the stop checkpoint and how to resume. Returns the exit code."""
+    cfg, ctx, stop = run.cfg, run.ctx, run.stop
+    steps_done = run.steps_done
+    if stop.requested:
+        path = save_checkpoint(run, steps_done)
+        run.metrics.log(kind="stop", step=steps_done, signal=stop.signal_name,
+                        checkpoint=str(path) if path else None)
+        if ctx.is_main:
+            where = (f"checkpoint {path}; resume with the same flags plus --resume {run.run_dir}"
+                     if path else "no checkpoint could be taken at this step")
+            print(f"stopped by {stop.signal_name} after step {steps_done}: {where}", flush=True)
+        if run.loader is not None:
+            run.loader.close()
+        return stop.exit_code
+    _validate(run, run.num_steps, *validation_windows(run, run.num_steps))
+    if cfg.train.save_final:
+        save_checkpoint(run, run.num_steps)
+    if ctx.is_main:
+        times = step_times(run)
+        summary = summarize(run, start_step, times)
+        report.write_json_atomic(run.run_dir / "summary.json", summary)
+        report.plot_run(run.run_dir, run.metrics.records, times)
+        print(f"done: {summary['steps']} steps, {summary['tokens_per_rank']} tokens/rank, "
+              f"train time {summary['train_time_s']:.1f} s, final val loss "
+              f"{summary['final_val_loss']:.4f}; summary {run.run_dir / 'summary.json'}", flush=True)
+    if run.loader is not None:
+        run.loader.close()
+    return 0
+
+
+EXIT_ERRORS = (DataError, CheckpointError, CompileCacheError, RunDirError, PreflightError)
+
+
+def _report_lost_ranks(ctx: DistributedContext, error: RuntimeError, run_dir: Path | None) -> None:
+    """A collective failed because a peer is gone: name it (distributed.lost_ranks) and say how to
+    go on. Rank 0 hosts the rendezvous store: if it is the one gone, the store cannot answer."""
+    first_line = str(error).strip().splitlines()[0][:200]
+    try:
+        lost = lost_ranks(ctx, "after-failure", wait_s=10.0)
+        who = f"rank(s) {lost} stopped answering" if lost else "every rank still answers"
+    except Exception:  # the store is gone with rank 0
+        who = "rank 0 (it hosts the rendezvous store) stopped answering"
+    where = f"; resume with --resume {run_dir} once every rank runs" if run_dir else ""
+    print(f"error: rank {ctx.rank}: a collective failed ({first_line}): {who}{where}",
+          file=sys.stderr, flush=True)
+
+
 def _train(cfg: RunConfig, graph_backend) -> int:
     started = time.perf_counter()
+    try:
+        check_device(cfg)  # before the process group binds a device
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ctx = init_distributed(cfg.train.timeout_s, None if cfg.train.device == "auto" else cfg.train.device)
     if ctx.is_main and cfg.train.deterministic:
         print("deterministic mode: torch.use_deterministic_algorithms(True, warn_only=True)", flush=True)
+    handle, trained, run_dir = None, False, None
+    stop = GracefulStop(ctx)
     try:
-        cache_log = compile_cache.load(cfg.train.compile_cache) if cfg.train.compile_cache else {}
-        run = build(cfg, ctx, graph_backend)
-        run.started, run.compile_cache = started, cache_log
-        if ctx.is_main and cache_log:
-            print(f"compile cache: {cache_log}", flush=True)
+        with stop:
+            pre = preflight(cfg, ctx)
+            run_dir = pre.run_dir
+            handle = _claim(cfg, ctx, pre)
+            run = _prepare(cfg, ctx, pre, stop, graph_backend, started)
+            if cfg.train.warmup_only:
+                trained = True  # warmup.json is the result: keep the run dir
+                return _finish_warmup_only(run)
+            run.model.set_prefix_table(run.prefix_table)
+            start_step = 0
+            if pre.resume is not None:
+                info = checkpoint.resolve_resume(pre.resume.path if not pre.resume_in_place
+                                                 else pre.resume.path.with_suffix(""))
+                start_step = resume_from(run, info)
+                if pre.resume_in_place and ctx.is_main:
+                    truncate_metrics(run.run_dir, start_step)
+            trained = True
+            timed_run(run, start_step)
+            return _finish(run, start_step)
+    except _Stopped:
         if ctx.is_main:
-            print(f"run dir {run.run_dir}; attention backend {run.model.attention_backend}; "
-                  f"{ctx.world_size} rank(s) x {run.micro_steps} micro-step(s)", flush=True)
-            report.write_json_atomic(run.run_dir / "config.json", cfg.to_dict())
-        if not _profile_window_fits(run, 0):  # before the warmup's minutes of compiling
-            return 2
-        initial = snapshot_state(run)
-        if cfg.train.compile or cfg.graphs.mode != "off":
-            warmup_and_capture(run)
-            census_before = baked_addresses.take_census(run.model, run.runner)
-            restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
-            baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
-            if cfg.train.compile_cache and ctx.is_main:
-                # every graph of the run is compiled now (the summary's compiles show none later)
-                run.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
-        elif ctx.is_main:
-            print("warmup skipped: an uncompiled eager model has nothing to compile or capture",
-                  flush=True)
-        run.runner.seal()
-        if cfg.train.warmup_only:
-            return _finish_warmup_only(run)
-        run.model.set_prefix_table(run.prefix_table)
-        start_step = 0
-        if cfg.train.resume is not None:
-            start_step = load_checkpoint(run, cfg.train.resume)
-        if not _profile_window_fits(run, start_step):
-            return 2
-        if start_step == 0:
-            _validate(run, 0, *validation_windows(run, 0))
-        timed_run(run, start_step)
-        _validate(run, run.num_steps, *validation_windows(run, run.num_steps))
-        if cfg.train.save_final:
-            save_checkpoint(run, run.num_steps)
-        if ctx.is_main:
-            times = step_times(run)
-            summary = summarize(run, start_step, times)
-            report.write_json_atomic(run.run_dir / "summary.json", summary)
-            report.plot_run(run.run_dir, run.metrics.records, times)
-            print(f"done: {summary['steps']} steps, {summary['tokens_per_rank']} tokens/rank, "
-                  f"train time {summary['train_time_s']:.1f} s, final val loss "
-                  f"{summary['final_val_loss']:.4f}; summary {run.run_dir / 'summary.json'}", flush=True)
-        if run.loader is not None:
-            run.loader.close()
-        return 0
-    except (DataError, CheckpointError, CompileCacheError) as e:
+            print(f"stopped by {stop.signal_name} before the first training step: nothing to resume"
+                  + ("; the run dir is removed" if handle is not None and handle.created else ""),
+                  file=sys.stderr, flush=True)
+        return stop.exit_code
+    except EXIT_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        if ctx.world_size == 1 or not is_comm_failure(e):
+            raise
+        _report_lost_ranks(ctx, e, run_dir)
+        return 1
     finally:
+        if handle is not None:
+            handle.release(remove=not trained)
         destroy_distributed()
 
 
