@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from track_1_short import prepare
+from track_1_short import prepare, prepare_common
 from track_1_short.data import BOS_ID, list_shards, read_shard, write_shard
 
 
@@ -64,11 +64,11 @@ def test_interrupted_prepare_is_not_complete(tmp_path, monkeypatch):
                         lambda cfg: (np.array([BOS_ID, 1, 2]), np.array([BOS_ID, 3]), {}))
     with pytest.raises(KeyboardInterrupt):
         prepare.prepare_embedded(tmp_path, prepare.EmbeddedCorpusConfig())
-    assert not (tmp_path / prepare.MANIFEST).exists()
+    assert not (tmp_path / prepare_common.MANIFEST).exists()
     assert not list(tmp_path.glob("*.tmp*"))
     monkeypatch.setattr(prepare, "write_shard", write_shard)
     prepare.prepare_embedded(tmp_path, prepare.EmbeddedCorpusConfig())  # rebuilds, completes
-    assert (tmp_path / prepare.MANIFEST).exists()
+    assert (tmp_path / prepare_common.MANIFEST).exists()
 
 
 def test_manifest_with_corrupt_shard_rebuilds(tmp_path, monkeypatch):
@@ -77,7 +77,8 @@ def test_manifest_with_corrupt_shard_rebuilds(tmp_path, monkeypatch):
     prepare.prepare_embedded(tmp_path, prepare.EmbeddedCorpusConfig())
     shard = tmp_path / "embedded_train_000000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])
-    assert not prepare._manifest_ok(tmp_path, json.loads((tmp_path / prepare.MANIFEST).read_text())["settings"])
+    settings = json.loads((tmp_path / prepare_common.MANIFEST).read_text())["settings"]
+    assert not prepare_common.manifest_ok(tmp_path, settings)
 
 
 def test_fineweb_download_mocked(tmp_path, monkeypatch):
@@ -110,7 +111,7 @@ def test_fineweb_bad_download_names_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", bad_download)
     assert prepare.main(["--source", "fineweb", "--train-shards", "1", "--out-dir", str(tmp_path)]) == 2
-    assert not (tmp_path / prepare.MANIFEST).exists()
+    assert not (tmp_path / prepare_common.MANIFEST).exists()
 
 
 def test_bad_train_shards_flag(tmp_path, capsys):

