@@ -1,69 +1,59 @@
-"""Benchmark of AnvilAndAdam.step at the speedrun's parameter shapes (facts 1.1), as JSON.
+"""Benchmark of AnvilAndAdam.step on the trainer's model, compiled and eager, as JSON.
 
-What it measures: wall time of `optimizer.step(step, lr_scale)` with CUDA events, separately for
-even steps (ANVIL banks only) and odd steps (banks + Adam), median and spread over --steps timed
-steps after --warmup; the time of the same collectives alone (what one odd step sends, no math);
-and the ANVIL math alone per bank (momentum, Polar Express, NorMuon, update; no comms).
-Gradients are random, written into persistent buffers before each step (as the step graphs do),
-outside the timed region.
+What it measures, per compile mode (--compile off,on: AnvilConfig.compile False / True, same process,
+one optimizer at a time over the same model):
+- step_ms.even / step_ms.odd: wall time of `optimizer.step(step, lr_scale)` from CUDA events around
+  each call (perf_counter on CPU), separately for even steps (ANVIL banks only) and odd steps (banks
+  + Adam), median and spread over --steps timed steps after --warmup untimed ones (the compiled
+  mode compiles during the warmup: it spans an even and an odd step);
+- unit_ms: each unit of work alone, no comms: every bank's anvil_bank_step_ on this rank's shard,
+  every table's adam_step_ and the small-parameter group's adam_group_step_;
+- compiles: dynamo graphs compiled during the warmup and during the timed steps (must be 0: the
+  per-step values are tensor inputs, so changing lr / momentum recompiles nothing);
+- with world size > 1: the collectives of an even and of an odd step alone (no math), and how much
+  of the even step's communication the math hides (an estimate from medians).
+Gradients are random, in persistent buffers assigned to p.grad before each step (as the step graphs
+hand them over) and, for value_embeds, copied into ValueEmbedPull.grad_accum, outside the timed
+region; lr_scale and momentum change every step.
 
-Run (H200):      PYTHONPATH=. python bench/optimizer.py --out docs/results/optimizer_1gpu.json
-Run (2 GPUs):    PYTHONPATH=. torchrun --nproc_per_node 2 bench/optimizer.py --out docs/results/optimizer_2gpu.json
-Smoke test (CPU): PYTHONPATH=. python bench/optimizer.py --device cpu --tiny --out /tmp/opt.json
+Model: the trainer's (bench.common.build_bench_model: speedrun GPTConfig, bf16 banks / embeddings /
+head on CUDA), so the shapes are the per-rank shapes the trainer steps (world size 1: qk_bank
+[64, 256, 768], vo_bank [24, 768, 768], mlp_bank [12, 2, 3072, 768] = 24 matrices, embed
+[50304, 768], lm_head [768, 50304], value_embeds [251520, 768], the small Adam parameters);
+embed/lm_head tied (stages A-B) unless --untied (stage C onwards). The optimizer is built as
+train.build_optimizer builds it (plus parameter names).
 
-Shapes: qk_bank 64x256x768, vo_bank 24x768x768, mlp_bank 12x2x3072x768, embed 50304x768, lm_head
-768x50304 (tied to embed unless --untied), value_embeds 251520x768 (gradient through
-set_grad_buffer), and the small Adam params of facts 4.2. bf16 parameters (fp32 masters).
+Run (H200, stage C shapes; compile of the 7 graphs ~1 min):
+    PYTHONPATH=. python bench/optimizer.py --untied --out docs/results/optimizer_h200_1gpu.json
+Run (2 GPUs):
+    PYTHONPATH=. torchrun --standalone --nproc_per_node 2 bench/optimizer.py --untied \
+        --out docs/results/optimizer_h200_2gpu.json
+Smoke (CPU, tiny model, the compiled mode on the aot_eager backend):
+    PYTHONPATH=. python bench/optimizer.py --smoke --out /tmp/opt.json
 """
 
+from __future__ import annotations
+
 import argparse
+import dataclasses
+import gc
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
+import torch.distributed as dist
 
-from bench.common import command
+from bench import common
 from track_1_short.distributed import destroy_distributed, init_distributed
-from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
-from track_1_short.report import write_json_atomic
+from track_1_short.optim.anvil import AnvilAndAdam, _reduce_scatter, build_param_cfgs
+from track_1_short.perf import compile_cache
 
-FULL = dict(dim=768, vocab=50304, qk=64, vo=24, mlp=12, hidden=3072, ve_rows=5 * 50304)
-TINY = dict(dim=64, vocab=512, qk=8, vo=8, mlp=4, hidden=256, ve_rows=5 * 512)
-
-
-class Shapes(nn.Module):
-    """The trainer's optimizer-visible parameters, by name, without a forward."""
-
-    def __init__(self, s: dict, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        p = lambda *shape: nn.Parameter(torch.randn(*shape, device=device).mul_(0.02).to(dtype))
-        d = s["dim"]
-        self.qk_bank = p(s["qk"], 256 if d == 768 else d // 2, d)
-        self.vo_bank = p(s["vo"], d, d)
-        self.mlp_bank = p(s["mlp"], 2, s["hidden"], d)
-        self.lm_head = p(d, s["vocab"])
-        self.embed = nn.Embedding(s["vocab"], d)
-        self.embed.weight = nn.Parameter(self.lm_head.data.T.contiguous())
-        self.value_embeds = nn.Embedding(s["ve_rows"], d)
-        self.value_embeds.weight = p(s["ve_rows"], d)
-        self.scalars = p(24)
-        self.smear_gate = p(1, 12)
-        self.ve_gate_bank = p(5, 6, 12)
-        self.post_lambdas = p(11, 2)
-        self.resid_lambdas = p(11, 2)
-
-
-def stats_ms(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))]
-    return dict(median=statistics.median(xs), min=xs[0], p10=q(0.1), p90=q(0.9), max=xs[-1], n=len(xs))
+MODES = {"off": False, "on": True}
 
 
 class Timer:
-    """CUDA events on GPU, perf_counter on CPU; ms."""
+    """ms of one call: CUDA events on GPU (the caller's stream), perf_counter on CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -84,90 +74,146 @@ class Timer:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke test)")
-    ap.add_argument("--steps", type=int, default=30, help="timed steps (half even, half odd)")
-    ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--compile", action="store_true", help="AnvilConfig.compile")
-    ap.add_argument("--untied", action="store_true", help="embed and lm_head untied (stage C)")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, aot_eager compile")
+    ap.add_argument("--compile", default="off,on", help="modes to run, in order: off, on or off,on")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per mode (half even, half odd)")
+    ap.add_argument("--warmup", type=int, default=6, help="untimed steps per mode (compile happens here)")
+    ap.add_argument("--untied", action="store_true", help="embed and lm_head untied (stage C on)")
     args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.compile.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes) or args.warmup < 2 or args.steps < 2:
+        raise SystemExit(f"--compile {args.compile!r}: off, on or off,on; --warmup and --steps >= 2")
 
-    if args.compile:
-        # one compiled graph per distinct shard shape and beta pair (~16); dynamo's default is 8
-        torch._dynamo.config.recompile_limit = 64
-    ctx = init_distributed(timeout_s=300, device_type=args.device)
+    ctx = init_distributed(timeout_s=300, device_type="cpu" if args.smoke else "cuda")
     device = ctx.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = Shapes(TINY if args.tiny else FULL, dtype, device)
-    names = {p: n for n, p in model.named_parameters()}
-    opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig(compile=args.compile),
-                       names=names,
-                       tied_embed_head=None if args.untied else (model.embed.weight, model.lm_head))
-    ve = model.value_embeds.weight
+    settings = common.setup_torch(device)
+    cfg, model = common.build_bench_model(args.smoke, device, attention=None, fp8=None)
+    header = dict(settings=settings, world_size=ctx.world_size, backend=ctx.backend,
+                  untied=args.untied, smoke=args.smoke, warmup=args.warmup, steps=args.steps,
+                  shapes={n: list(p.shape) for n, p in model.named_parameters()},
+                  dtypes={n: str(p.dtype) for n, p in model.named_parameters()}, modes={}, errors={})
+    # rank 0 writes the JSON (every rank measures: the collectives need them all)
+    results = common.Results(Path(args.out), device, **header) if ctx.is_main else None
+    data = results.data if results is not None else header
     grads = {p: torch.randn_like(p) for p in model.parameters()}  # persistent "graph buffers"
-    grad_accum = torch.zeros_like(ve)
-    opt.set_grad_buffer(ve, grad_accum)
-    timer = Timer(device)
+    for mode in modes:
+        cfg.optim = dataclasses.replace(cfg.optim, compile=MODES[mode],
+                                        compile_backend="aot_eager" if args.smoke else "inductor")
+        opt = build_optimizer(cfg, model)
+        if args.untied:
+            opt.untie_embed_head()  # as the trainer does at stage C's first step (zero state here)
+        row = common.run_guarded(mode, lambda: bench_mode(opt, model, grads, args, ctx), data["errors"])
+        if row is not None:
+            data["modes"][mode] = {"compiled": opt.compiled, **row}
+        if results is not None:
+            results.save()
+        del opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    done = data["modes"]
+    if {"off", "on"} <= set(done):
+        data["compiled_over_eager"] = {
+            k: done["on"]["step_ms"][k]["median_ms"] / done["off"]["step_ms"][k]["median_ms"]
+            for k in ("even", "odd")}
+    data["complete"] = not data["errors"]
+    if results is not None:
+        results.save()
+        print(json.dumps({m: {k: r["step_ms"][k]["median_ms"] for k in ("even", "odd")}
+                          for m, r in done.items()}, indent=2))
+    destroy_distributed()
 
-    def fill(step: int):
+
+def build_optimizer(cfg, model) -> AnvilAndAdam:
+    """As train.build_optimizer builds it (tied embed/lm_head, value_embeds' gradient buffer), with
+    the parameters' names, which the JSON's unit rows are keyed by."""
+    opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
+                       names={p: n for n, p in model.named_parameters()},
+                       tied_embed_head=(model.embed.weight, model.lm_head))
+    opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
+    return opt
+
+
+def bench_mode(opt: AnvilAndAdam, model, grads: dict, args, ctx) -> dict:
+    """One compile mode: warmup, timed steps, units alone, comms alone (world size > 1)."""
+    timer = Timer(ctx.device)
+    ve, grad_accum = model.value_embeds.weight, model.value_embeds.grad_accum
+
+    def fill():
         for p, g in grads.items():
             if p is ve:
                 grad_accum.copy_(g)
             elif p.grad is None:
                 p.grad = g
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        common.sync(ctx.device)
 
-    times = {"even": [], "odd": []}
+    times, compiles = {"even": [], "odd": []}, {}
+    before = compile_cache.graphs_compiled()
     for step in range(args.warmup + args.steps):
-        fill(step)
-        ms = timer(lambda: opt.step(step, lr_scale=1.0))
+        if step == args.warmup:
+            compiles["warmup"] = compile_cache.graphs_compiled() - before
+            before = compile_cache.graphs_compiled()
+        fill()
+        lr_scale, momentum = 1.0 - 0.01 * step, 0.85 + 0.002 * step  # changing values: no recompile
+        ms = timer(lambda: opt.step(step, lr_scale=lr_scale, momentum=momentum))
         if step >= args.warmup:
             times["odd" if opt.adam_step_due(step) else "even"].append(ms)
-
-    comm_ms = measure_comms(opt, timer, args.steps) if ctx.world_size > 1 else None
-    comm_even_ms = measure_comms(opt, timer, args.steps, adam=False) if ctx.world_size > 1 else None
-    math_ms = measure_anvil_math(opt, timer, args.steps)
-    step_ms = {k: stats_ms(v) for k, v in times.items() if v}
-    result = dict(
-        command=command(),
-        machine=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                     torch=torch.__version__, cuda=torch.version.cuda, world_size=ctx.world_size,
-                     backend=ctx.backend),
-        shapes={n: list(p.shape) for n, p in model.named_parameters()},
-        config=dict(tiny=args.tiny, compile=args.compile, tied=not args.untied, dtype=str(dtype),
-                    warmup=args.warmup, steps=args.steps),
-        step_ms=step_ms,
-        comm_only_odd_step_ms=comm_ms,
-        comm_only_even_step_ms=comm_even_ms,
-        anvil_math_ms=math_ms,
-        comm_hidden_even_step=hidden_comm(step_ms.get("even"), comm_even_ms, math_ms),
-    )
-    if ctx.is_main:
-        write_json_atomic(Path(args.out), result)
-        print(json.dumps(result["step_ms"], indent=2))
-    destroy_distributed()
+    compiles["timed"] = compile_cache.graphs_compiled() - before
+    step_ms = {k: common.summarize(v) for k, v in times.items()}
+    row = dict(step_ms=step_ms, compiles=compiles, unit_ms=measure_units(opt, timer, args.steps))
+    if ctx.world_size > 1:
+        comm_even = measure_comms(opt, timer, args.steps, adam=False)
+        row.update(comm_only_odd_step_ms=measure_comms(opt, timer, args.steps, adam=True),
+                   comm_only_even_step_ms=comm_even,
+                   comm_hidden_even_step=hidden_comm(step_ms["even"], comm_even, row["unit_ms"]))
+    opt.reset()
+    return row
 
 
-def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int, adam: bool = True) -> dict:
+@torch.no_grad()  # as in step(): dynamo guards on the grad mode (a second graph per unit otherwise)
+def measure_units(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:
+    """Every unit's update alone on this rank's shard (random gradients, no comms)."""
+    def timed(fn, shape) -> dict:
+        fn()  # compiled: the graph exists already (the warmup ran it); eager: first-call costs
+        return dict(shard=list(shape), **common.summarize([timer(fn) for _ in range(reps)]))
+
+    out = {}
+    for b in opt.banks:
+        g = torch.randn_like(b.momentum).to(b.view.dtype)
+        out[b.name] = timed(lambda: opt._update_bank(b, g), b.momentum.shape)
+    for a in opt.adam_tables:
+        if opt.tied and a is opt.tied[0]:
+            continue  # the tied embed is not updated (lm_head carries its gradient)
+        # replicated: the update reads the grad buffer itself (and zeroes it in the same pass)
+        g = opt.grad_buffers.get(a.param) if not a.sharded else None
+        if g is None:
+            g = torch.randn_like(a.exp_avg).to(a.grad.dtype if a.grad is not None else a.param.dtype)
+        out[a.name] = timed(lambda: opt._update_table(a, g), a.exp_avg.shape)
+    if opt.adam_group:
+        gs = [torch.randn_like(a.exp_avg).to(a.param.dtype) for a in opt.adam_group]
+        out["adam_group"] = timed(lambda: opt._update_group(gs), [len(gs)])
+    return out
+
+
+def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int, adam: bool) -> dict:
     """The collectives of one step alone, launched in the optimizer's order, then waited: an odd
     step's (banks + Adam) with adam=True, an even step's (banks only) with adam=False."""
-    import torch.distributed as dist
-    from track_1_short.optim.anvil import _reduce_scatter
+    avg = dist.ReduceOp.AVG
+    adam_units = opt.adam_group + opt.adam_tables if adam else []
 
     def run():
-        works = [_reduce_scatter(b.grad, b.view, op=dist.ReduceOp.AVG, group=opt.group, async_op=True)
+        works = [_reduce_scatter(b.grad, b.view, op=avg, group=opt.group, async_op=True)
                  for b in opt.banks]
-        for a in (opt.adam_order if adam else ()):
+        for a in adam_units:
             if a.sharded:
                 src = a.grad_in if a.grad_in is not None else a.param.data
-                works.append(_reduce_scatter(a.grad, src, op=dist.ReduceOp.AVG, group=opt.group,
-                                             async_op=True))
+                works.append(_reduce_scatter(a.grad, src, op=avg, group=opt.group, async_op=True))
             else:
                 works.append(dist.all_reduce(a.exp_avg.clone(), group=opt.group, async_op=True))
-        for a in (opt.adam_order if adam else ()):
+        for a in adam_units:
             if a.sharded:
-                works.append(dist.all_gather_into_tensor(a.target, a.shard, group=opt.group, async_op=True))
+                works.append(dist.all_gather_into_tensor(a.target, a.shard, group=opt.group,
+                                                         async_op=True))
         for b in opt.banks:
             works.append(dist.all_gather_into_tensor(b.view, b.shard, group=opt.group, async_op=True))
         for w in works:
@@ -175,40 +221,19 @@ def measure_comms(opt: AnvilAndAdam, timer: Timer, reps: int, adam: bool = True)
 
     for _ in range(3):
         run()
-    return stats_ms([timer(run) for _ in range(reps)])
+    return common.summarize([timer(run) for _ in range(reps)])
 
 
-def hidden_comm(step: dict | None, comm: dict | None, math: dict) -> dict | None:
+def hidden_comm(step: dict, comm: dict, units: dict) -> dict:
     """How much of an even (ANVIL-only) step's communication overlaps its math, from medians:
-    hidden = comm + math - step (clipped to [0, comm]); math = the per-bank shard math summed.
+    hidden = comm + math - step (clipped to [0, comm]); math = the banks' unit times summed.
     An estimate: it assumes comm and math cost the same overlapped as alone."""
-    if step is None or comm is None:
-        return None
-    math_ms = sum(bank["median"] for bank in math.values())
-    hidden = min(max(comm["median"] + math_ms - step["median"], 0.0), comm["median"])
-    return dict(formula="hidden = clip(comm_only + sum(anvil_math) - step, 0, comm_only), medians",
-                step_ms=step["median"], comm_only_ms=comm["median"], math_ms=math_ms,
-                hidden_ms=hidden, hidden_fraction=hidden / comm["median"] if comm["median"] else None,
-                exposed_ms=comm["median"] - hidden)
-
-
-def measure_anvil_math(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:
-    """Per bank: momentum + Polar Express + NorMuon + update on this rank's shard, no comms."""
-    out = {}
-    for b in opt.banks:
-        grad = torch.randn_like(b.momentum).to(b.view.dtype)
-
-        def run():
-            v = opt._nesterov(b.momentum, grad, torch.tensor(0.95, dtype=torch.float64))
-            v = opt._polar_express(v, opt._ortho_dtype(b), opt.coeffs).float()
-            v = opt._normuon(v, b.second_moment, opt.cfg.beta2)
-            target = b.master if b.master is not None else b.shard
-            opt._anvil_update(target, v, b.lr_mul * 1e-3, torch.tensor(1e-3, dtype=torch.float64))
-
-        run()
-        out[b.name] = dict(shard=list(b.momentum.shape), **stats_ms([timer(run) for _ in range(reps)]))
-    opt.reset()
-    return out
+    math_ms = sum(row["median_ms"] for name, row in units.items() if name.endswith("_bank"))
+    hidden = min(max(comm["median_ms"] + math_ms - step["median_ms"], 0.0), comm["median_ms"])
+    return dict(formula="hidden = clip(comm_only + sum(bank units) - step, 0, comm_only), medians",
+                step_ms=step["median_ms"], comm_only_ms=comm["median_ms"], math_ms=math_ms,
+                hidden_ms=hidden, exposed_ms=comm["median_ms"] - hidden,
+                hidden_fraction=hidden / comm["median_ms"] if comm["median_ms"] else None)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""Smoke tests of the GPU benchmarks bench/model.py and bench/step_graphs.py, so they do not rot.
+"""Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py and bench/optimizer.py,
+so they do not rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
 tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
 RecordingGraphBackend stand-in and the real EagerStep, with a real AnvilAndAdam) in subprocesses
 (their process-wide settings stay out of this pytest process), and write complete JSON with the
-command, every key and variant, computed goals and the model JSON from the eager variant. Plus the
+command, every key and variant, computed goals and the model JSON from the eager variant;
+optimizer.py (--smoke: the tiny model, compile off and on, the latter on aot_eager) writes even and
+odd step times per mode, every unit's time and no recompile in its timed steps. Plus the
 FLOPs arithmetic and the synthetic batch's packing invariants, checked directly.
 Hardware: CPU; ~30 s on 2 busy cores.
 Run: `.venv/bin/python -m pytest tests/test_bench_smoke.py -q`.
@@ -70,6 +73,22 @@ def test_step_graphs_bench_smoke(tmp_path):
     model = json.loads(model_out.read_text())
     assert model["complete"] and set(model["keys"]) == KEYS
     assert "eager variant" in model["source"]
+
+
+def test_optimizer_bench_smoke(tmp_path):
+    out = tmp_path / "opt.json"
+    _run("optimizer.py", "--untied", "--warmup", "2", "--steps", "4", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["complete"] and "--smoke" in data["command"] and not data["errors"]
+    assert set(data["modes"]) == {"off", "on"} and data["shapes"]["mlp_bank"] == [8, 2, 512, 128]
+    for mode, row in data["modes"].items():
+        assert row["compiled"] == (mode == "on") and row["compiles"]["timed"] == 0
+        assert {k: r["n"] for k, r in row["step_ms"].items()} == {"even": 2, "odd": 2}
+        assert set(row["unit_ms"]) == {"qk_bank", "vo_bank", "mlp_bank", "embed.weight", "lm_head",
+                                       "value_embeds.weight", "adam_group"}
+        assert all(r["median_ms"] > 0 for r in [*row["step_ms"].values(), *row["unit_ms"].values()])
+    assert data["modes"]["on"]["compiles"]["warmup"] > 0
+    assert set(data["compiled_over_eager"]) == {"even", "odd"}
 
 
 def test_flops_formula():

@@ -76,6 +76,29 @@ def test_parameter_layout():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.parametrize("config, shapes", [
+    # speedrun: 10 attention layers x 6 heads = 60 qk matrices -> 64, 20 vo -> 24,
+    # 11 layers x 2 = 22 mlp matrices -> 24 (12 entries, not 16: padding counts matrices)
+    (GPTConfig(), {"qk_bank": (64, 256, 768), "vo_bank": (24, 768, 768),
+                   "mlp_bank": (12, 2, 3072, 768)}),
+    (GPTConfig.tiny(), {"qk_bank": (16, 128, 128), "vo_bank": (16, 128, 128),
+                        "mlp_bank": (8, 2, 512, 128)}),
+    # a multiple the entry size does not divide: 11 entries x 2 = 22 -> 24 matrices, 12 entries
+    (GPTConfig(bank_pad_multiple=3), {"qk_bank": (60, 256, 768), "vo_bank": (21, 768, 768),
+                                      "mlp_bank": (12, 2, 3072, 768)}),
+])
+def test_bank_padding_counts_matrices(config, shapes):
+    with torch.device("meta"):  # shapes only: no memory for the full model
+        model = GPT(config)
+    for name, shape in shapes.items():
+        bank = getattr(model, name)
+        assert tuple(bank.shape) == shape, name
+        matrices = bank.numel() // (bank.size(-2) * bank.size(-1))
+        assert matrices % config.bank_pad_multiple == 0, name
+        if config.bank_pad_multiple == 8:  # the optimizer shards them over 1, 2, 4 or 8 ranks
+            assert all(matrices % w == 0 for w in (1, 2, 4, 8)), name
+
+
 def test_loss_at_init_close_to_uniform():
     model = _model(live_attention=False)
     inputs, targets, cu = _batch(256, 8, 3)

@@ -18,7 +18,8 @@ prefix-token CE (loss.py).
 Parameters (names the optimizer helper keys on; `param_names_by_kind()`):
 - matrix banks (ANVIL): `qk_bank` [NQK, 2*Dh, D] one entry per (attention layer, {Q, K}, head pair),
   `vo_bank` [NVO, D, D] one per (attention layer, {V, O}), `mlp_bank` [NL, 2, F, D] (c_fc [F, D]
-  out x in, c_proj [F, D] stored in x out). Counts padded to bank_pad_multiple; pads are zero, unused.
+  out x in, c_proj [F, D] stored in x out). Each bank's MATRIX count (NQK, NVO, 2*NL) is padded to a
+  multiple of bank_pad_multiple (mlp_bank: NL entries of 2 matrices); pads are zero, unused.
 - adam: `embed.weight` [V, D], `lm_head` [D, V] (transposed, HEAD layout), `value_embeds.weight`
   [NVE*V, D] (gradient through ValueEmbedPull.grad_accum when the trainer passes it), scalars
   `sa_lambdas`, `resid_lambdas`, `post_lambdas` [L, 2], `x0_lambdas`, `ngram_lambdas` [L],
@@ -80,7 +81,10 @@ class GPTConfig:
     no_attention_layer: int | None = 6
     skip_from_layer: int = 3  # its output skips into no_attention_layer
     value_embed_layers: tuple[int, ...] = (1, 2, 8, 9, 10)  # table k serves the k-th of these
-    bank_pad_multiple: int = 8  # bank entry counts padded for the optimizer's sharding
+    # each bank's matrix count is padded to a multiple of this, so the optimizer's sharding splits it
+    # over 1, 2, 4 or 8 ranks (8 = data.REFERENCE_WORLD_SIZE): speedrun qk 60 -> 64, vo 20 -> 24,
+    # mlp 11 layers x 2 = 22 -> 24 matrices (12 entries)
+    bank_pad_multiple: int = 8
     max_position: int = 262_144  # rotary table rows: >= the largest T (train and eval) per rank
     attention_backend: str = "auto"  # attention.BACKENDS
     lm_head_init_std: float = 0.005
@@ -178,7 +182,8 @@ class GPT(nn.Module):
         qk[: n_attn * h].uniform_(-bound, bound)
         vo = torch.zeros(_padded(2 * n_attn, pad), d, d)  # [NVO, D, D]; O entries (odd) zero init
         vo[0: 2 * n_attn: 2].uniform_(-bound, bound)
-        mlp = torch.zeros(_padded(nl, pad), 2, c.mlp_hidden, d)  # [NL, 2, F, D]; c_proj zero init
+        # [NL, 2, F, D]; c_proj zero init; NL entries hold 2*NL matrices, a multiple of pad
+        mlp = torch.zeros(_padded(nl, pad // math.gcd(pad, 2)), 2, c.mlp_hidden, d)
         mlp[:nl, 0].uniform_(-bound, bound)
         self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(t) for t in (qk, vo, mlp))
 

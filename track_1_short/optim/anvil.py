@@ -11,16 +11,20 @@ gradients (odd steps are ~4-7 ms slower than even ones in the record log, facts 
 collectives are launched asynchronously in an order that overlaps them with the update math.
 
 ANVIL (cfg.optim == "anvil"): a bank is [N, R, C] or [N, S, R, C], seen as M = N*S matrices; M must
-be a multiple of the world size W (the model pads N). Per step: reduce_scatter(AVG) of p.grad so rank
-r owns matrices [r*K, (r+1)*K), K = M/W; Nesterov momentum (fp32); Polar Express; NorMuon
-normalisation; cautious weight decay with lr_eff = lr * lr_mul * slot_lr_mul * sqrt(max(1, R/C));
-all_gather back into the bank. Adam (cfg.optim == "adam"): on Adam steps only (adam_step_due), on
+be a multiple of the world size W (the model pads M: GPTConfig.bank_pad_multiple). Per step:
+reduce_scatter(AVG) of p.grad so rank r owns matrices [r*K, (r+1)*K), K = M/W; Nesterov momentum
+(fp32); Polar Express; NorMuon normalisation; cautious weight decay with lr_eff = lr * lr_mul *
+slot_lr_mul * sqrt(max(1, R/C)); all_gather back into the bank. Adam (cfg.optim == "adam"): on Adam steps only (adam_step_due), on
 p.grad summed over the last two steps; "all_reduce" params are updated whole on every rank,
 "sharded" ones by dim-0 row blocks of Dp = ceil(D0/W) rows (padded buffers when W does not divide D0).
 
 Per-step call order (train.py): backward (p.grad set; ANVIL banks may hold the step graph's own
 gradient buffer, which the reduce-scatter here reads before the next replay rewrites it) ->
-`step(step, lr_scale)` -> nothing else: step() ends with `zero_grad(step)`, which drops ANVIL grads
+`step(step, lr_scale)` -> nothing else. step() is `write_step_values` (host: this step's momentum,
+lrs, Adam step sizes into the StepValues tensor, one H2D copy, no sync) -> `run_step` (device work
+only: reads every per-step value through that tensor, no host sync, no .item(), no branch on device
+values, allocates no persistent memory; its Python inputs are the cadence (adam_due) and the tie
+state, so a CUDA graph per cadence can capture it) -> `zero_grad(step)`, which drops ANVIL grads
 every step and Adam grads only after an Adam step, so on even steps the next backward (eager
 AccumulateGrad, or StepGraphs.backward's persistent accumulator) adds into the kept .grad.
 value_embeds: its gradient never reaches p.grad; `set_grad_buffer(param, ValueEmbedPull.grad_accum)`
@@ -30,16 +34,26 @@ steps embed.grad.T is added into lm_head's gradient, only lm_head is updated, an
 Call `untie_embed_head()` once, right after step() of the split step (the first step of stage C,
 made odd), to move lm_head's Adam state, transposed, into embed's.
 
-Step phases and comm overlap (facts 4.2 "Ordering"; `step()` below):
+Step phases and comm overlap (facts 4.2 "Ordering"; `run_step()` below):
 1. launch every reduction: bank reduce-scatters first (largest, and their consumers do the most math),
    then the Adam reductions in work order;
-2. Adam updates in work order: replicated params, then sharded tables largest first, lm_head before
-   embed (embed's copy waits on lm_head's gather); each update's math overlaps the bank
+2. Adam updates in work order: the small replicated params ("all_reduce" in PARAM_TABLE) in one
+   adam_group_step_ call, then the tables ("sharded") largest first, lm_head before embed (embed's
+   copy waits on lm_head's gather), one fused adam_step_ each; each update's math overlaps the bank
    reduce-scatters still in flight, each sharded table's all_gather launches as soon as it is updated;
 3. bank updates (the heaviest math, Polar Express) overlap the Adam all_gathers; each bank's
    all_gather launches when its shard is done;
 4. wait the gathers (lm_head first, so embed <- lm_head.T copies while the rest finish).
-The step graphs are not involved: optimizer kernels and collectives run eagerly on the current stream.
+The step graphs are not involved: optimizer kernels and collectives run on the current stream.
+
+Compiled (AnvilConfig.compile; on by default for CUDA parameters): anvil_math's three step
+functions are wrapped in torch.compile(dynamic=False, fullgraph=True). Per-step values are inputs
+(StepValues), so the graphs are one per bank shard shape (3), one per table (embed, lm_head,
+value_embeds) and one for the small-parameter group, compiled at the first even and first Adam
+step (embed's at the first Adam step after the untie) and never again: within dynamo's default
+recompile_limit (8 per function), whatever the caller sets. Off on CPU by default: inductor's C++
+build costs ~10 s per graph on the 2-core test machine, more than the cpu-tiny run spends in the
+optimizer.
 
 Precision: the update math runs in fp32 on a per-shard fp32 MASTER copy whenever the parameter is not
 fp32 (bf16 on GPU): the master is updated, then rounded into the bank/table shard that is gathered.
@@ -48,8 +62,9 @@ the master costs 4 B per OWNED element (1/W of each table). Masters are re-read 
 by reset() and __init__, so load model weights, then reset() or load_state_dict().
 
 What must stay address-stable: every state buffer (momentum, second moment, masters, Adam moments,
-reduce-scatter outputs, padded buffers) is allocated in __init__ and only ever written in place:
-reset(), load_state_dict() and untie_embed_head() copy, never rebind (the post-warmup census).
+reduce-scatter outputs, padded buffers, the StepValues tensor) is allocated in __init__ and only
+ever written in place: reset(), load_state_dict() and untie_embed_head() copy, never rebind
+(named_state_tensors() lists them for an address census).
 
 State dict (each rank saves ITS shards; format STATE_FORMAT): {"format", "rank", "world_size",
 "adam_steps", "tied", "banks": {name: {"first_matrix", "momentum", "second_moment"[, "master"]}},
@@ -65,7 +80,7 @@ Express PR #253, cautious weight decay PR #172). Deviations: fp32 master instead
 buffer; no sparse bigram comms (n-gram rows are NgramTable's update); no Triton XXT kernels.
 
 Legend: W world size, M matrices in a bank view, K = M/W owned matrices, R rows, C cols,
-D0 a sharded table's dim 0, Dp = ceil(D0/W) owned rows.
+D0 a sharded table's dim 0, Dp = ceil(D0/W) owned rows, S per-step values, NG grouped Adam params.
 """
 
 import math
@@ -76,16 +91,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from track_1_short.optim import anvil_math
-from track_1_short.optim.anvil_config import (ADAM, ANVIL, PARAM_TABLE, SHARDED, AnvilConfig,
-                                              ParamConfig, adam_step_due, anvil_momentum,
-                                              build_param_cfgs)
-from track_1_short.optim.polar_express import POLAR_EXPRESS_COEFFS, derive_coefficients, polar_express
+from track_1_short.optim.anvil_config import (ADAM, ALL_REDUCE, ANVIL, PARAM_TABLE, SHARDED,
+                                              AnvilConfig, ParamConfig, adam_step_due,
+                                              anvil_momentum, build_param_cfgs)
+from track_1_short.optim.polar_express import POLAR_EXPRESS_COEFFS, derive_coefficients
+from track_1_short.optim.step_values import StepValues
 
 __all__ = ["AnvilAndAdam", "AnvilConfig", "ParamConfig", "PARAM_TABLE", "build_param_cfgs",
            "anvil_momentum", "adam_step_due", "STATE_FORMAT"]
 
 STATE_FORMAT = "track_1_short.anvil_and_adam/1"
 AVG = dist.ReduceOp.AVG
+ANVIL_VALUES = 3  # StepValues [0:3]: momentum mu, lr, weight_decay * lr (anvil_math.anvil_bank_step_)
+ADAM_VALUES = 4  # per Adam parameter: beta1, beta2, step_size, eff_wd (anvil_math.adam_step_)
 # torch 2.13 deprecates reduce_scatter_tensor for reduce_scatter_single (same signature); the H200
 # image runs torch 2.11, which only has the former.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -104,6 +122,7 @@ class BankShard:
     second_moment: Tensor  # [K, R, 1] (R >= C) or [K, 1, C] fp32
     master: Tensor | None  # [K, R, C] fp32, when the bank is not fp32
     lr_mul: Tensor  # [K, 1, 1] fp32: lr_mul * slot lr_mul * sqrt(max(1, R/C))
+    ortho_dtype: torch.dtype  # Polar Express iterates in this dtype
 
     @property
     def shard(self) -> Tensor:
@@ -126,6 +145,7 @@ class AdamShard:
     exp_avg: Tensor  # fp32, shard shape
     exp_avg_sq: Tensor
     master: Tensor | None  # fp32 shard, when the parameter is not fp32
+    hyper: Tensor | None = None  # [4] view of StepValues: beta1, beta2, step_size, eff_wd (set in __init__)
 
     @property
     def target(self) -> Tensor:
@@ -135,11 +155,6 @@ class AdamShard:
     @property
     def shard(self) -> Tensor:
         return self.target[self.first:self.first + self.exp_avg.size(0)] if self.sharded else self.target
-
-
-def _scalar(x: float) -> Tensor:
-    """A 0-d CPU tensor: a compiled update sees per-step values as inputs, not constants."""
-    return torch.tensor(x, dtype=torch.float64)
 
 
 class AnvilAndAdam:
@@ -155,12 +170,15 @@ class AnvilAndAdam:
         self.world_size = dist.get_world_size(process_group) if distributed else 1
         self.rank = dist.get_rank(process_group) if distributed else 0
         names = names or {p: f"param{i}" for i, p in enumerate(param_cfgs)}
+        device = next(iter(param_cfgs)).device
         self.coeffs = POLAR_EXPRESS_COEFFS if cfg.ns_steps == len(POLAR_EXPRESS_COEFFS) \
             else tuple(derive_coefficients(cfg.ns_steps))
-        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True)) if cfg.compile else (lambda f: f)
-        self._polar_express, self._nesterov, self._normuon, self._anvil_update, self._adam_update = (
-            wrap(polar_express), wrap(anvil_math.nesterov_), wrap(anvil_math.normuon_),
-            wrap(anvil_math.cautious_anvil_update_), wrap(anvil_math.adam_update_))
+        self.compiled = cfg.compile if cfg.compile is not None else device.type == "cuda"
+        wrap = (lambda f: torch.compile(f, dynamic=False, fullgraph=True, backend=cfg.compile_backend)) \
+            if self.compiled else (lambda f: f)
+        self._bank_step, self._adam_step, self._adam_group_step = (
+            wrap(anvil_math.anvil_bank_step_), wrap(anvil_math.adam_step_),
+            wrap(anvil_math.adam_group_step_))
         self.banks = [self._bank(p, names[p], c) for p, c in param_cfgs.items() if c.optim == ANVIL]
         adam = [self._adam(p, names[p], c) for p, c in param_cfgs.items() if c.optim == ADAM]
         self.adam_by_param = {a.param: a for a in adam}
@@ -171,11 +189,19 @@ class AnvilAndAdam:
                 raise ValueError(f"tied_embed_head: embed {tuple(embed.param.shape)} must be lm_head "
                                  f"{tuple(head.param.shape)} transposed")
             self.tied_initial = (embed, head)
-        # Phase 2 work order: replicated first, then sharded tables largest first (their gathers are
-        # the longest), lm_head ahead of embed (stable sort on -numel keeps construction order).
+        # Phase 2 work order: the small replicated group first, then the tables largest first (their
+        # gathers are the longest), lm_head ahead of embed (stable sort keeps construction order).
         head = self.tied_initial[1] if self.tied_initial else None
-        self.adam_order = sorted(adam, key=lambda a: (a.sharded, -a.param.numel() if a.sharded else 0,
-                                                      a is not head))
+        self.adam_group = [a for a in adam if a.cfg.comm == ALL_REDUCE]
+        self.adam_tables = sorted((a for a in adam if a.cfg.comm != ALL_REDUCE),
+                                  key=lambda a: (-a.param.numel(), a is not head))
+        self.step_values = StepValues(ANVIL_VALUES + ADAM_VALUES * len(adam), device)
+        values = self.step_values.values
+        self._anvil_values = values[:ANVIL_VALUES]  # [3]
+        adam_values = values[ANVIL_VALUES:].view(len(adam), ADAM_VALUES)  # [NG + tables, 4]
+        self._group_hypers = adam_values[:len(self.adam_group)]  # [NG, 4]
+        for a, hyper in zip(self.adam_group + self.adam_tables, adam_values):
+            a.hyper = hyper
         self.grad_buffers: dict[nn.Parameter, Tensor] = {}
         self.tied = self.tied_initial
         self.adam_steps = 0
@@ -190,7 +216,8 @@ class AnvilAndAdam:
         num_matrices = view.size(0)
         if num_matrices % self.world_size:
             raise ValueError(f"{name}: {num_matrices} matrices do not split over {self.world_size} "
-                             "ranks; pad the bank's dim 0 to a multiple of the world size")
+                             "ranks; pad the bank's matrix count to a multiple of the world size "
+                             "(GPTConfig.bank_pad_multiple)")
         if cfg.slot_lr_muls and len(cfg.slot_lr_muls) != slots:
             raise ValueError(f"{name}: slot_lr_muls has {len(cfg.slot_lr_muls)} entries for {slots} slots")
         k = num_matrices // self.world_size
@@ -206,7 +233,7 @@ class AnvilAndAdam:
             grad=torch.zeros(k, rows, cols, dtype=p.dtype, device=p.device) if self.world_size > 1 else None,
             momentum=torch.zeros(k, rows, cols, **f32), second_moment=torch.zeros(moment_shape, **f32),
             master=torch.zeros(k, rows, cols, **f32) if p.dtype != torch.float32 else None,
-            lr_mul=lr_mul)
+            lr_mul=lr_mul, ortho_dtype=self._ortho_dtype(p))
 
     def _adam(self, p: nn.Parameter, name: str, cfg: ParamConfig) -> AdamShard:
         sharded = cfg.comm == SHARDED and self.world_size > 1
@@ -234,9 +261,9 @@ class AnvilAndAdam:
             exp_avg=zeros(state_shape), exp_avg_sq=zeros(state_shape),
             master=zeros(state_shape) if p.dtype != torch.float32 else None)
 
-    def _ortho_dtype(self, bank: BankShard) -> torch.dtype:
+    def _ortho_dtype(self, p: nn.Parameter) -> torch.dtype:
         if self.cfg.ortho_dtype == "auto":
-            return torch.bfloat16 if bank.param.is_cuda else torch.float32
+            return torch.bfloat16 if p.is_cuda else torch.float32
         return getattr(torch, self.cfg.ortho_dtype)
 
     # ---- public per-step API ----
@@ -260,18 +287,40 @@ class AnvilAndAdam:
     @torch.no_grad()
     def step(self, step: int, lr_scale: float, momentum: float | None = None):
         """One optimizer step; `lr_scale` multiplies both base lrs; momentum defaults to the
-        schedule (anvil_momentum). Ends with zero_grad(step)."""
-        adam_due = self.adam_step_due(step)
+        schedule (anvil_momentum). Host half, device half, then zero_grad(step)."""
+        self.write_step_values(step, lr_scale, momentum)
+        self.run_step(step, self.adam_step_due(step))
+        self.zero_grad(step)
+
+    def write_step_values(self, step: int, lr_scale: float, momentum: float | None = None):
+        """Host half of step(): this step's values (computed in double) into self.step_values, and
+        the Adam step count advanced on Adam steps, so call it exactly once per step, before
+        run_step and outside any captured region (StepValues' ring slot is not address-stable)."""
         mu = anvil_momentum(step, self.cfg) if momentum is None else momentum
+        lr = self.cfg.lr * lr_scale
+        values = [mu, lr, self.cfg.weight_decay * lr]
+        t = self.adam_steps + 1  # the bias corrections of the next Adam step (unused on other steps)
+        for a in self.adam_group + self.adam_tables:
+            beta1, beta2 = a.cfg.betas
+            lr_a = self.cfg.adam_lr * lr_scale * a.cfg.lr_mul
+            values += [beta1, beta2, lr_a * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t),
+                       lr_a * lr_a * self.cfg.adam_weight_decay * a.cfg.wd_mul]
+        self.step_values.write(values)
+        if self.adam_step_due(step):
+            self.adam_steps = t
+
+    @torch.no_grad()
+    def run_step(self, step: int, adam_due: bool):
+        """Device half of step(): reductions, updates, gathers (see the module docstring). Reads the
+        per-step values only through self.step_values; `step` only names failures."""
         # Phase 1: launch all reductions (async); banks first, they feed the longest math.
         pending = self._launch_reductions(step, adam_due)
         # Phase 2: Adam math overlaps the bank reduce-scatters; table gathers launch as each is done.
-        gathers = self._adam_phase(pending, lr_scale) if adam_due else []
+        gathers = self._adam_phase(pending) if adam_due else []
         # Phase 3: bank math (Polar Express) overlaps the Adam gathers; bank gathers launch per bank.
-        gathers += self._anvil_phase(pending, lr_scale, mu)
+        gathers += self._anvil_phase(pending)
         # Phase 4: wait, lm_head first so the tied embed copy overlaps the remaining gathers.
         self._finish(gathers, adam_due)
-        self.zero_grad(step)
 
     def zero_grad(self, step: int):
         """Drop ANVIL grads every step and Adam grads after Adam steps only (they accumulate)."""
@@ -301,7 +350,7 @@ class AnvilAndAdam:
         if self.tied:
             embed, head = self.tied
             self._grad(head, step).add_(self._grad(embed, step).T)
-        for a in self.adam_order:
+        for a in self.adam_group + self.adam_tables:
             if self.tied and a is self.tied[0]:
                 continue
             g = self._grad(a, step)
@@ -317,52 +366,63 @@ class AnvilAndAdam:
                                                   async_op=True))
         return pending
 
-    def _adam_phase(self, pending: dict, lr_scale: float) -> list:
-        self.adam_steps += 1
-        t, gathers = self.adam_steps, []
-        for a in self.adam_order:
+    def _adam_phase(self, pending: dict) -> list:
+        grads = [self._wait(pending[a]) for a in self.adam_group]
+        if self.adam_group:
+            self._update_group(grads)
+        gathers = []
+        for a in self.adam_tables:
             if a not in pending:
                 continue  # the tied embed: lm_head carries its gradient
-            grad, work = pending[a]
-            if work is not None:
-                work.wait()
-            beta1, beta2 = a.cfg.betas
-            lr = self.cfg.adam_lr * lr_scale * a.cfg.lr_mul
-            shard = a.shard
-            if a.master is None and a.gathered is not None:
-                # the padded buffer only mirrors the parameter: refresh this rank's real rows
-                shard[:a.real_rows].copy_(a.param.data[a.first:a.first + a.real_rows])
-            self._adam_update(a.master if a.master is not None else shard, grad, a.exp_avg,
-                              a.exp_avg_sq, beta1, beta2, self.cfg.adam_eps,
-                              _scalar(lr * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)),
-                              _scalar(lr * lr * self.cfg.adam_weight_decay * a.cfg.wd_mul))
-            if a.master is not None:
-                shard.copy_(a.master)
-            if a.param in self.grad_buffers:
-                self.grad_buffers[a.param].zero_()  # consumed: the owner accumulates afresh
+            self._update_table(a, self._wait(pending[a]))
             if a.sharded:
-                gathers.append((a, dist.all_gather_into_tensor(a.target, shard, group=self.group,
+                gathers.append((a, dist.all_gather_into_tensor(a.target, a.shard, group=self.group,
                                                                async_op=True)))
         return gathers
 
-    def _anvil_phase(self, pending: dict, lr_scale: float, mu: float) -> list:
-        lr = self.cfg.lr * lr_scale
-        mu_t, wd_lr = _scalar(mu), _scalar(self.cfg.weight_decay * lr)
+    @staticmethod
+    def _wait(entry: tuple) -> Tensor:
+        grad, work = entry
+        if work is not None:
+            work.wait()
+        return grad
+
+    def _update_group(self, grads: list[Tensor]):
+        """The small replicated parameters: one adam_group_step_ call (one compiled graph)."""
+        group = self.adam_group
+        self._adam_group_step(
+            [a.master if a.master is not None else a.shard for a in group], grads,
+            [a.exp_avg for a in group], [a.exp_avg_sq for a in group], self._group_hypers,
+            self.cfg.adam_eps, [a.shard if a.master is not None else None for a in group],
+            [self.grad_buffers.get(a.param) is g for a, g in zip(group, grads)])
+
+    def _update_table(self, a: AdamShard, grad: Tensor):
+        """One table (or its shard): one adam_step_ call; the gradient buffer it consumed is zeroed
+        in the same pass when the update read it directly (else here, after its reduce-scatter)."""
+        buffer = self.grad_buffers.get(a.param)
+        shard = a.shard
+        if a.master is None and a.gathered is not None:
+            # the padded buffer only mirrors the parameter: refresh this rank's real rows
+            shard[:a.real_rows].copy_(a.param.data[a.first:a.first + a.real_rows])
+        self._adam_step(a.master if a.master is not None else shard, grad, a.exp_avg, a.exp_avg_sq,
+                        a.hyper, self.cfg.adam_eps, shard if a.master is not None else None,
+                        buffer is grad)
+        if buffer is not None and buffer is not grad:
+            buffer.zero_()  # consumed by the reduce-scatter: the owner accumulates afresh
+
+    def _update_bank(self, b: BankShard, grad: Tensor):
+        """One bank shard: one anvil_bank_step_ call (one compiled graph per shard shape)."""
+        shard = b.shard
+        self._bank_step(grad, b.momentum, b.second_moment, b.master if b.master is not None else shard,
+                        shard if b.master is not None else None, b.lr_mul, self._anvil_values,
+                        self.cfg.beta2, b.ortho_dtype, self.coeffs)
+
+    def _anvil_phase(self, pending: dict) -> list:
         gathers = []
         for b in self.banks:
-            grad, work = pending[b]
-            if work is not None:
-                work.wait()
-            v = self._nesterov(b.momentum, grad, mu_t)  # [K, R, C] fp32
-            v = self._polar_express(v, self._ortho_dtype(b), self.coeffs).float()
-            v = self._normuon(v, b.second_moment, self.cfg.beta2)
-            shard = b.shard
-            self._anvil_update(b.master if b.master is not None else shard, v,
-                               b.lr_mul * _scalar(lr), wd_lr)
-            if b.master is not None:
-                shard.copy_(b.master)
+            self._update_bank(b, self._wait(pending[b]))
             if self.world_size > 1:
-                gathers.append((b, dist.all_gather_into_tensor(b.view, shard, group=self.group,
+                gathers.append((b, dist.all_gather_into_tensor(b.view, b.shard, group=self.group,
                                                                async_op=True)))
         return gathers
 
@@ -448,6 +508,7 @@ class AnvilAndAdam:
                 t = getattr(owner, field, None)
                 if t is not None:
                     yield f"optimizer.{owner.name}.{field}", t
+        yield "optimizer.step_values", self.step_values.values
 
     def state_dict(self) -> dict:
         """This rank's shards (references, not copies); see the module docstring for the format."""

@@ -22,6 +22,7 @@ from torch import nn
 
 ANVIL, ADAM = "anvil", "adam"
 ALL_REDUCE, SHARDED = "all_reduce", "sharded"
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -118,9 +119,13 @@ class AnvilConfig:
     ns_steps: int = 5  # Polar Express iterations (5: the published coefficients; else derived)
     adam_every: int = 2  # Adam steps on steps with step % adam_every == adam_every - 1
     ortho_dtype: str = "auto"  # Polar Express dtype: "auto" (bf16 on CUDA, fp32 on CPU), or a name
-    # torch.compile(dynamic=False, fullgraph=True) the anvil_math functions and polar_express: one
-    # graph per shard shape and beta pair (~16), so the caller raises dynamo's recompile_limit (8)
-    compile: bool = False
+    # torch.compile(dynamic=False, fullgraph=True) anvil_math's step functions (one graph per bank
+    # shard shape, per table and for the small-parameter group; per-step values are tensor inputs).
+    # None: on when the parameters are on CUDA (every GPU preset), off on CPU, where inductor's C++
+    # build costs ~10 s per graph on 2 cores (more than cpu-tiny spends in the optimizer). True/False
+    # force it; AnvilAndAdam.compiled holds the resolved value.
+    compile: bool | None = None
+    compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": CPU tests of the compiled path)
 
     def __post_init__(self):
         for name in ("lr", "adam_lr", "adam_eps"):
@@ -143,6 +148,11 @@ class AnvilConfig:
             raise ValueError(f"AnvilConfig.ns_steps must lie in [1, 12], got {self.ns_steps}")
         if self.adam_every < 1:
             raise ValueError(f"AnvilConfig.adam_every must be >= 1, got {self.adam_every}")
+        if self.compile not in (None, True, False):
+            raise ValueError(f"AnvilConfig.compile must be None (auto), True or False, got {self.compile!r}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"AnvilConfig.compile_backend must be one of {COMPILE_BACKENDS}, got "
+                             f"{self.compile_backend!r}")
         if self.ortho_dtype not in ("auto", "bfloat16", "float32", "float64"):
             raise ValueError("AnvilConfig.ortho_dtype must be auto, bfloat16, float32 or float64, "
                              f"got {self.ortho_dtype!r}")
