@@ -3,7 +3,7 @@
 What is here: the per-rank key shapes of DESIGN section 3 (from SPEEDRUN_STAGES; tiny ones for
 --smoke), a synthetic packed batch builder (random ids < 50257, BOS-led documents of FineWeb-like
 lognormal lengths cut at max_seq_len, cum_seqlens padded with T, as data.TrainStream packs them),
-the trainer's model build (train.build_model: bf16 matrices on CUDA), YaRN set to a key's stage,
+the trainer's model build (trainer/build.py: bf16 matrices on CUDA), YaRN set to a key's stage,
 step timing with CUDA events, kernel time from a torch.profiler trace, dynamo compile counters,
 machine info, and a result file rewritten atomically after every unit of work (so a run killed
 at its time limit still leaves JSON with its command).
@@ -177,9 +177,10 @@ def setup_torch(device: torch.device) -> dict:
 
 
 def build_bench_model(smoke: bool, device: torch.device, attention: str | None, fp8: bool | None):
-    """The trainer's model: the speedrun preset's GPTConfig (cpu-tiny's for --smoke), built by
-    train.build_model (seeded, bf16 banks/embeddings/head on CUDA, attention backend resolved)."""
-    from track_1_short.train import build_model  # heavy import (tqdm, checkpoint): only when used
+    """The trainer's model: the speedrun preset's GPTConfig (cpu-tiny's for --smoke), built as the
+    trainer builds it (trainer/build.py: seeded; bf16 banks/embeddings/head on CUDA, attention
+    backend and fp8 resolved)."""
+    from track_1_short.trainer.build import build_model, prepare_for_device
     cfg = config_mod.preset("cpu-tiny" if smoke else "speedrun")
     if smoke:  # a 512-token vocabulary keeps the CPU smoke run to seconds
         cfg.model = GPTConfig.tiny(vocab_size=SMOKE_VOCAB, ngram=NgramConfig(
@@ -189,7 +190,7 @@ def build_bench_model(smoke: bool, device: torch.device, attention: str | None, 
         cfg.model.attention_backend = attention
     if fp8 is not None:
         cfg.model.fp8.enabled = fp8
-    return cfg, build_model(cfg, device)
+    return cfg, prepare_for_device(build_model(cfg, device), device)
 
 
 # ---------------------------------------------------------------- measurement

@@ -1,7 +1,7 @@
 """Model benchmark: forward + backward ms and MFU of the compiled GPT at each speedrun key, as JSON.
 
 What it measures, per key (DESIGN section 3, per-rank shapes of 8 ranks; --keys A,B,C,D):
-- forward + backward of the trainer's model (train.build_model: bf16 banks, embeddings and head on
+- forward + backward of the trainer's model (trainer/build.py: bf16 banks, embeddings and head on
   CUDA; torch.compile(fullgraph=True, dynamic=False)): step_graphs.training_loss (loss.sum()) and
   capture_support.loss_grads w.r.t. every parameter plus the n-gram sink, exactly the eager step
   (EagerStep) minus the gradient handoff, on a synthetic packed batch (bench/common.py) with

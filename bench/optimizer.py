@@ -21,7 +21,7 @@ head on CUDA), so the shapes are the per-rank shapes the trainer steps (world si
 [64, 256, 768], vo_bank [24, 768, 768], mlp_bank [12, 2, 3072, 768] = 24 matrices, embed
 [50304, 768], lm_head [768, 50304], value_embeds [251520, 768], the small Adam parameters);
 embed/lm_head tied (stages A-B) unless --untied (stage C onwards). The optimizer is built as
-train.build_optimizer builds it (plus parameter names).
+trainer/build.py's build_optimizer builds it (plus parameter names).
 
 Run (H200, stage C shapes; compile of the 7 graphs ~1 min):
     PYTHONPATH=. python bench/optimizer.py --untied --out docs/results/optimizer_h200_1gpu.json
@@ -102,7 +102,7 @@ def main(argv=None):
         opt = build_optimizer(cfg, model)
         if args.untied:
             opt.untie_embed_head()  # as the trainer does at stage C's first step (zero state here)
-        row = common.run_guarded(mode, lambda: bench_mode(opt, model, grads, args, ctx), data["errors"])
+        row = common.run_guarded(mode, lambda o=opt: bench_mode(o, model, grads, args, ctx), data["errors"])
         if row is not None:
             data["modes"][mode] = {"compiled": opt.compiled, **row}
         if results is not None:
@@ -125,7 +125,7 @@ def main(argv=None):
 
 
 def build_optimizer(cfg, model) -> AnvilAndAdam:
-    """As train.build_optimizer builds it (tied embed/lm_head, value_embeds' gradient buffer), with
+    """As trainer/build.py's build_optimizer builds it (tied embed/lm_head, value_embeds' gradient buffer), with
     the parameters' names, which the JSON's unit rows are keyed by."""
     opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
                        names={p: n for n, p in model.named_parameters()},

@@ -97,7 +97,7 @@ class StepBench:
         return self.first_step[spec.name] + i % STEPS_PER_KEY
 
     def runner_step(self, runner, spec):
-        """One training micro-step through a StepGraphs/EagerStep runner, as train.train_step."""
+        """One training micro-step through a StepGraphs/EagerStep runner, as trainer/step.py's train_step."""
         def fn(i: int):
             step = self._step_of(spec, i)
             batch, slots, _ = self.inputs[spec.name][i % 2]

@@ -38,8 +38,10 @@ from mp_utils import free_port, set_rank_env  # noqa: E402
 
 from track_1_short.distributed import init_distributed  # noqa: E402
 from track_1_short.report import MetricsLog  # noqa: E402
-from track_1_short.train import build, make_loader, save_checkpoint, train, train_step  # noqa: E402
+from track_1_short.train import train  # noqa: E402
 from track_1_short.trainer import checkpoint  # noqa: E402
+from track_1_short.trainer.build import build_run, make_loader, make_spec  # noqa: E402
+from track_1_short.trainer.step import train_step  # noqa: E402
 from track_1_short.trainer.run_dir import claim_run_dir  # noqa: E402
 from track_1_short.trainer.stop import GracefulStop  # noqa: E402
 
@@ -114,21 +116,22 @@ def kill_mode(shards: Path, out: Path, tries: int = 20) -> dict:
     reference = out / "reference"
     cfg = config(shards, out, "killed", save_every=2)
     handle = claim_run_dir(out / "killed")
-    run = build(cfg, init_distributed(60, "cpu"), out / "killed")
-    run.stop = GracefulStop(run.ctx)
-    run.model.set_prefix_table(run.prefix_table)
-    run.loader = make_loader(run)
+    ctx = init_distributed(60, "cpu")
+    run = build_run(make_spec(cfg, ctx, out / "killed"), GracefulStop(ctx))
+    spec, parts, progress = run.spec, run.parts, run.progress
+    parts.model.set_prefix_table(parts.prefix_table)  # as the trainer does before the timed run
+    progress.loader = make_loader(spec)
     handle.release()  # the children hold no lock: the dir is this process's throughout
 
     def train_to(steps_done: int) -> None:
-        while run.steps_done < steps_done:
-            train_step(run, run.steps_done, run.loader)
-            run.steps_done += 1
+        while progress.steps_done < steps_done:
+            train_step(spec, parts, progress.steps_done, progress.loader, run.log.timer)
+            progress.steps_done += 1
 
     def save_twice() -> int:
-        save_checkpoint(run, run.steps_done)  # a new step: the rename-in path
-        run.last_saved_step = None
-        save_checkpoint(run, run.steps_done)  # the same step again: the swap over it
+        checkpoint.save_run(spec, parts, progress, progress.steps_done)  # a new step: rename-in
+        progress.last_saved_step = None
+        checkpoint.save_run(spec, parts, progress, progress.steps_done)  # again: the swap over it
         return 0
 
     train_to(2)
@@ -137,8 +140,8 @@ def kill_mode(shards: Path, out: Path, tries: int = 20) -> dict:
     window_s = time.monotonic() - start  # one unkilled pair of saves, forking included
     rows = []
     for i in range(tries):
-        if i and i % 4 == 0 and run.steps_done < 12:
-            train_to(run.steps_done + 2)
+        if i and i % 4 == 0 and progress.steps_done < 12:
+            train_to(progress.steps_done + 2)
         delay = rng.uniform(0, window_s)
         pid = fork(save_twice)
         time.sleep(delay)
@@ -154,11 +157,11 @@ def kill_mode(shards: Path, out: Path, tries: int = 20) -> dict:
         equal = latest is not None and same_state(latest.path, checkpoint.checkpoint_path(
             reference, latest.steps_done))
         left = sorted(p.name for p in (out / "killed").glob("ckpt_step*"))
-        rows.append({"try": i, "delay_s": delay, "steps_trained": run.steps_done, "broken": broken,
+        rows.append({"try": i, "delay_s": delay, "steps_trained": progress.steps_done, "broken": broken,
                      "latest": None if latest is None else latest.steps_done,
                      "latest_name": None if latest is None else latest.path.name,
                      "equals_reference": equal, "left": left})
-    run.loader.close()
+    progress.loader.close()
     # what a later run finds: recovery under the lock, then a resume of the newest checkpoint
     handle = claim_run_dir(out / "killed", resume_in_place=True)
     handle.release()

@@ -253,7 +253,7 @@ def test_delayed_scales_update_in_place_at_every_replay():
 
 def _tiny_gpt(fp8_enabled: bool, device):
     from track_1_short.model.gpt import GPT, GPTConfig
-    from track_1_short.train import BF16_PARAMS
+    from track_1_short.trainer.build import BF16_PARAMS
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny(attention_backend="reference",
@@ -263,7 +263,7 @@ def _tiny_gpt(fp8_enabled: bool, device):
         model.mlp_bank[:, 1].normal_(0, 0.05)
         model.lm_head.normal_(0, 0.2)
     model = model.to(device)
-    for name, p in model.named_parameters():  # as train.build_model
+    for name, p in model.named_parameters():  # as trainer/build.py's prepare_for_device
         if name in BF16_PARAMS:
             p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)

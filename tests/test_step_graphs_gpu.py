@@ -267,7 +267,7 @@ def test_varlen_attention_self_check_agrees_with_ground_truth():
     tiny uncompiled model: the replay was right and the self-check passed; the earlier failure was
     not reproduced at this size."""
     from track_1_short.model.gpt import GPT, GPTConfig
-    from track_1_short.train import BF16_PARAMS
+    from track_1_short.trainer.build import BF16_PARAMS
 
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -14,7 +14,9 @@ from micro import micro_config
 
 from track_1_short import config as config_mod
 from track_1_short.report import MetricsLog
-from track_1_short.train import StepTimer, deterministic_mode, train
+from track_1_short.train import train
+from track_1_short.trainer.lifecycle import deterministic_mode
+from track_1_short.trainer.timing import StepTimer
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -46,7 +48,7 @@ def test_train_writes_outputs_and_learns(shard_dir, tmp_path):
 def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
     """Host clock (CPU): phase = time from the previous mark; unstarted steps ignore marks."""
     clock = iter([10.0, 10.5, 10.75, 11.0])
-    monkeypatch.setattr("track_1_short.train.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("track_1_short.trainer.timing.time.perf_counter", lambda: next(clock))
     timer = StepTimer(torch.device("cpu"))
     timer.mark(3, "micro_steps")  # a warmup step: not started, ignored (reads no clock)
     timer.start(7)
@@ -154,23 +156,27 @@ def test_embed_head_untie_at_third_stage(shard_dir, tmp_path):
     import torch
 
     from track_1_short.distributed import init_distributed
-    from track_1_short.train import build, make_loader, train_step
+    from track_1_short.trainer.build import build_run, make_loader, make_spec
+    from track_1_short.trainer.step import train_step
+    from track_1_short.trainer.stop import GracefulStop
 
     cfg = micro_config(shard_dir, tmp_path, "untie")
     a, b = cfg.schedule.stages
     cfg.schedule = dataclasses.replace(cfg.schedule, stages=(
         dataclasses.replace(a, num_steps=2), dataclasses.replace(b, num_steps=2),
         dataclasses.replace(b, name="C", num_steps=4)))
-    run = build(cfg, init_distributed(60, "cpu"), tmp_path / "untie")
-    assert run.untie_step == 5  # stage C starts at 4; made odd (an Adam step)
-    loader = make_loader(run)
+    ctx = init_distributed(60, "cpu")
+    run = build_run(make_spec(cfg, ctx, tmp_path / "untie"), GracefulStop(ctx))
+    spec, parts = run.spec, run.parts
+    assert spec.untie_step == 5  # stage C starts at 4; made odd (an Adam step)
+    loader = make_loader(spec)
     try:
         for step in range(8):
-            train_step(run, step, loader)
-            tied = torch.equal(run.model.embed.weight, run.model.lm_head.T)
+            train_step(spec, parts, step, loader, run.log.timer)
+            tied = torch.equal(parts.model.embed.weight, parts.model.lm_head.T)
             # the untie step still updates tied; the next Adam step (7) moves them apart
             assert tied == (step < 7), f"step {step}: tied={tied}"
-            assert (run.optimizer.tied is None) == (step >= 5)
+            assert (parts.optimizer.tied is None) == (step >= 5)
     finally:
         loader.close()
 

@@ -32,6 +32,11 @@ gradients), i.e. at multiples of `period = lcm(adam_every, ngram_cycle)`.
 
 Loading copies into the existing tensors (DCP loads in place), so no address a step graph baked
 moves. Optimizer shards load on the same world size only.
+
+The trainer's state (`save_run` / `resume_run`, from the spec, the step parts and the progress):
+"model" (every parameter and persistent buffer, replicated: n-gram table + its Adam state, YaRN
+tables, fp8 scales, prefix table), "optim_rank<r>" (rank r's optimizer shards) and
+"ngram_rank<r>" (rank r's n-gram rows and their Adam state, when sharded).
 """
 
 from __future__ import annotations
@@ -42,10 +47,15 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from track_1_short.trainer.state import Progress, RunSpec, StepParts
 
 PREFIX = "ckpt_step"
 TRAINER_JSON = "trainer.json"
@@ -239,3 +249,65 @@ def load_checkpoint(info: CheckpointInfo, state: dict) -> None:
                               f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); the "
                               f"checkpoint is damaged or from another model config, resume from "
                               f"another one") from e
+
+
+# ---------------------------------------------------------------- the trainer's state
+
+SHARDED_BUFFERS = ("ngram_table.table", "ngram_table.exp_avg", "ngram_table.exp_avg_sq")
+
+
+def training_state(spec: RunSpec, parts: StepParts) -> dict:
+    """The DCP state dict: replicated model state under "model", each rank's shards under its own
+    keys (optimizer state; the n-gram table's row slice and its Adam state when sharded)."""
+    model = parts.model.state_dict()
+    rank = spec.ctx.rank
+    state = {f"optim_rank{rank}": parts.optimizer.state_dict()}
+    if spec.ctx.world_size > 1:
+        state[f"ngram_rank{rank}"] = {k: model.pop(k) for k in SHARDED_BUFFERS}
+    state["model"] = model
+    return state
+
+
+def save_run(spec: RunSpec, parts: StepParts, progress: Progress, steps_done: int) -> Path | None:
+    """ckpt_step<steps_done> of the run dir (collective). A step this run saved last is not written
+    again (the final save right after a periodic one); None, said on its own line, where no exact
+    checkpoint can be taken (an unaligned final step)."""
+    path = checkpoint_path(spec.run_dir, steps_done)
+    if steps_done == progress.last_saved_step:
+        return path
+    if not aligned(steps_done, spec.checkpoint_period):
+        if spec.ctx.is_main:
+            tqdm.write(f"checkpoint after step {steps_done} skipped: checkpoints are exact only every "
+                       f"{spec.checkpoint_period} steps (no Adam or n-gram gradient held across)")
+        return None
+    meta = {"world_size": spec.ctx.world_size, "micro_steps": spec.micro_steps,
+            "loader": progress.loader.state_dict() if progress.loader else None,
+            "val_curve": progress.val_curve, "train_time_s": progress.train_time_s,
+            "preset": spec.cfg.preset}
+    save_checkpoint(spec.run_dir, steps_done, training_state(spec, parts), meta,
+                    is_main=spec.ctx.is_main)
+    progress.last_saved_step = steps_done
+    if spec.ctx.is_main:
+        tqdm.write(f"checkpoint {path}")
+    return path
+
+
+def resume_run(spec: RunSpec, parts: StepParts, progress: Progress, info: CheckpointInfo) -> dict:
+    """Load a validated checkpoint in place into the parts and the progress; returns the loader
+    state to resume from (the caller builds the loader)."""
+    state = training_state(spec, parts)
+    load_checkpoint(info, state)
+    parts.optimizer.load_state_dict(state[f"optim_rank{spec.ctx.rank}"])
+    steps_done = progress.steps_done = info.steps_done
+    # YaRN tables and scales as they stand after `steps_done` steps (the Python float scales are
+    # not in the checkpoint: the window moves are replayed in order from the base tables)
+    parts.model.reset_yarn()
+    for step in range(steps_done):  # a move at step `steps_done` is train_step's to make
+        parts.model.set_yarn_window(spec.schedule.plan(step).ws_long)
+    progress.val_curve = list(info.meta["val_curve"])
+    progress.train_time_s = float(info.meta["train_time_s"])
+    if info.path.parent.resolve() == spec.run_dir.resolve():
+        progress.last_saved_step = steps_done  # continuing in place: that checkpoint is this run's
+    if spec.ctx.is_main:
+        print(f"resumed from {info.path} at step {steps_done}", flush=True)
+    return info.meta["loader"]

@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from track_1_short.train import Run
+    from track_1_short.trainer.state import StepParts
 
 
 @torch.no_grad()
-def snapshot_state(run: "Run") -> dict:
+def snapshot_state(parts: StepParts) -> dict:
     """Host copies of every parameter and buffer (taken before the warmup touches anything)."""
-    return {"params": {n: p.detach().to("cpu", copy=True) for n, p in run.model.named_parameters()},
-            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in run.model.named_buffers()}}
+    model = parts.model
+    return {"params": {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()},
+            "buffers": {n: b.detach().to("cpu", copy=True) for n, b in model.named_buffers()}}
 
 
 @torch.no_grad()
-def restore_state(run: "Run", snap: dict) -> None:
+def restore_state(parts: StepParts, snap: dict) -> None:
     """Copy the snapshot back in place and reset every stateful component (no reallocation)."""
-    model = run.model
+    model = parts.model
     for name, p in model.named_parameters():
         p.copy_(snap["params"][name])
         p.grad = None
@@ -37,4 +38,4 @@ def restore_state(run: "Run", snap: dict) -> None:
     for name, b in model.named_buffers():
         if name in snap["buffers"]:
             b.copy_(snap["buffers"][name])
-    run.optimizer.reset()
+    parts.optimizer.reset()

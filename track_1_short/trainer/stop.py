@@ -91,3 +91,7 @@ class GracefulStop:
         if flag.item() and self.signum is None:
             self.signum = int(flag.item())  # another rank's signal: stop as it does
         return bool(flag.item())
+
+
+class StoppedBeforeTraining(Exception):
+    """A signal during the warmup: nothing trained, nothing to save (lifecycle.py exits)."""

@@ -1,0 +1,168 @@
+"""Building a run: the spec from the config, the model, and every systems concern applied to it in
+one ordered place (`prepare_model`).
+
+What it replaces: a `build()` that cast parameters, resolved the attention backend and fp8,
+sharded the n-gram table, built the optimizer, compiled and made the step runner in one
+50-line body mixed with data and bookkeeping, so the order the concerns depend on was implicit.
+
+prepare_model's order, and why (torchtitan's parallelize_* plays this role):
+  1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
+  2. attention backend: a per-device choice the compiled forward specializes on;
+  3. fp8 matmuls resolved: they need the device, and change what the compiled forward traces;
+  4. n-gram table sharded (several ranks): before the optimizer and any capture or census, as
+     both bake the table's shard;
+  5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
+     takes value_embeds' gradient buffer;
+  6. compile: wraps the model as it now is (every later change would be a recompile);
+  7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
+     to the optimizer's parameters; the row prefetch wraps the sharded table.
+
+Call order: lifecycle.py: make_spec -> build_model -> prepare_model -> build_run (data, metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from track_1_short.config import RunConfig
+from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
+from track_1_short.distributed import DistributedContext
+from track_1_short.model.gpt import GPT, ForwardScheduleConfig
+from track_1_short.model.loss import build_prefix_table
+from track_1_short.optim.adamw_baseline import AdamWBaseline
+from track_1_short.optim.anvil import AnvilAndAdam
+from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.perf.cuda_graphs.capture_plan import step_keys
+from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
+from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
+from track_1_short.report import MetricsLog
+from track_1_short.schedule import Schedule, StepPlan
+from track_1_short.tokenizer import mergeable_ranks
+from track_1_short.trainer.state import Optimizer, Progress, Run, RunLog, RunSpec, StepParts
+from track_1_short.trainer.stop import GracefulStop
+from track_1_short.trainer.timing import StepTimer
+
+BF16_PARAMS = ("embed.weight", "lm_head", "qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight")
+# Every key and each validation window is a recompile of the same code; past dynamo's default
+# limit (8) it would silently run eager. HEAD uses 64.
+RECOMPILE_LIMIT = 64
+
+
+def forward_configs(plans: list[StepPlan], device: torch.device) -> tuple[ForwardScheduleConfig, ...]:
+    """Per-step ForwardScheduleConfig with its tensors made once (no per-step host-to-device copy)."""
+    return tuple(ForwardScheduleConfig(
+        mtp_weights=torch.tensor(plan.mtp_weights, dtype=torch.float32, device=device),
+        prefix_weight=torch.tensor(plan.prefix_weight, dtype=torch.float32, device=device),
+        sampled_loss=None, ws_short=plan.ws_short, ws_long=plan.ws_long,
+        train_max_seq_len=plan.max_seq_len) for plan in plans)
+
+
+def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
+    """Facts 3: embed and lm_head untie at the start of the third stage, made odd so it is an Adam
+    step (847 in the speedrun). None with fewer than 3 stages, and for the AdamW baseline, whose
+    embed and lm_head are separate parameters from the start."""
+    if cfg.train.optimizer == "adamw" or len(schedule.stage_starts) < 3:
+        return None
+    return schedule.stage_starts[2] | 1
+
+
+def make_spec(cfg: RunConfig, ctx: DistributedContext, run_dir) -> RunSpec:
+    schedule = Schedule(cfg.schedule)
+    num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
+    micro_steps = cfg.data.slices_per_step // ctx.world_size
+    if micro_steps * ctx.world_size != cfg.data.slices_per_step:
+        raise ValueError(f"world size {ctx.world_size} must divide slices_per_step "
+                         f"{cfg.data.slices_per_step} (use 1, 2, 4 or 8 GPUs)")
+    plans = [schedule.plan(step) for step in range(num_steps)]
+    return RunSpec(cfg=cfg, ctx=ctx, schedule=schedule, num_steps=num_steps, micro_steps=micro_steps,
+                   plans=tuple(plans), fwd_cfgs=forward_configs(plans, ctx.device),
+                   untie_step=untie_step(cfg, schedule), run_dir=run_dir)
+
+
+def build_model(cfg: RunConfig, device: torch.device) -> GPT:
+    """The single-device model, seeded, on its device (no systems concern applied yet)."""
+    torch.manual_seed(cfg.train.seed)
+    return GPT(cfg.model).to(device)
+
+
+def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Optimizer:
+    if cfg.train.optimizer == "adamw":
+        if ctx.world_size > 1:
+            raise ValueError("--optimizer adamw is a single-process baseline; use anvil with torchrun")
+        opt = AdamWBaseline(model.named_parameters(), lr=cfg.train.adamw_lr)
+    else:
+        opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
+                           tied_embed_head=(model.embed.weight, model.lm_head))
+    opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
+    return opt
+
+
+def prepare_for_device(model: GPT, device: torch.device) -> GPT:
+    """Steps 1-3 of the module docstring: what one device needs (the benches stop here)."""
+    if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
+        for name, p in model.named_parameters():
+            if name in BF16_PARAMS:
+                p.data = p.data.to(torch.bfloat16)
+    model.resolve_attention_backend(device)
+    model.fp8.resolve(device)  # --fp8 where it cannot run (CPU, pre-Hopper GPU) warns
+    return model
+
+
+def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
+    """Every systems concern applied to the model, in the module docstring's order.
+    graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
+    lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
+    cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
+    prepare_for_device(model, device)  # 1.-3.
+    if ctx.world_size > 1:
+        model.ngram_table.shard(ctx.rank, ctx.world_size)  # 4.
+    optimizer = build_optimizer(cfg, model, ctx)  # 5.
+    forward_fn, eval_fn = model, model.eval_ce
+    if cfg.train.compile:  # 6.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   RECOMPILE_LIMIT)
+        backend = cfg.train.compile_backend
+        forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
+        eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False, backend=backend)
+    keys = step_keys(spec.schedule, num_steps=spec.num_steps)  # 7.
+    runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
+                              ngram_table=model.ngram_table, value_embeds=model.value_embeds,
+                              max_step_tokens=max(k.tokens for k in keys),
+                              adam_every=getattr(optimizer, "adam_every", cfg.optim.adam_every),
+                              grad_accum_steps=spec.micro_steps, device=device, backend=graph_backend,
+                              ngram_ring_slots=cfg.schedule.ngram_cycle * spec.micro_steps)
+    prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
+    return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
+                     runner=runner, prefetch=RowPrefetch(model.ngram_table), prefix_table=prefix)
+
+
+def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:
+    """The run's parts: model prepared, validation tokens loaded, metrics and timer ready."""
+    cfg, ctx = spec.cfg, spec.ctx
+    # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
+    cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, spec.micro_steps
+    parts = prepare_model(build_model(cfg, ctx.device), spec, graph_backend)
+    log = RunLog(metrics=MetricsLog(spec.run_dir, enabled=ctx.is_main), timer=StepTimer(ctx.device))
+    return Run(spec=spec, parts=parts, progress=Progress(), log=log,
+               val_tokens=load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens), stop=stop)
+
+
+def make_loader(spec: RunSpec, state: dict | None = None, seed_offset: int = 0,
+                steps: list[int] | None = None) -> LookaheadLoader:
+    """The training loader; warmup uses another seed so the timed run starts on unseen order.
+    `steps`: the schedule steps the loader's consecutive steps stand for (the warmup visit plan,
+    which jumps between stages), so each batch has the shape of the step that consumes it."""
+    sched, cfg, ctx = spec.schedule, spec.cfg, spec.ctx
+    shapes = [SliceShape(s.tokens_per_rank, s.max_seq_len, s.cu_seqlens_rows) for s in cfg.schedule.stages]
+    largest = SliceShape(max(s.tokens for s in shapes), max(s.max_seq_len for s in shapes),
+                         max(s.cu_seqlens_rows for s in shapes))
+
+    def shape_for_step(step: int) -> SliceShape:
+        if steps is not None:
+            step = steps[min(step, len(steps) - 1)]
+        return shapes[sched.stage_index(min(step, sched.num_steps - 1))]
+
+    return LookaheadLoader(make_train_loader(
+        cfg.data.data_dir, shape_for_step, ctx.rank, ctx.world_size, ctx.device,
+        seed=cfg.data.seed + seed_offset, max_shape=largest, shuffle=cfg.data.shuffle, state=state,
+        slices_per_step=cfg.data.slices_per_step))

@@ -1,0 +1,119 @@
+"""Time without host syncs: per-step and per-phase CUDA-event timing, compile counting, syncs.
+
+StepTimer: the timed run's clock per step (DESIGN: the clock covers data, forward, backward and
+optimizer; validation and checkpoints stop it). Events are recorded at step boundaries and read
+once after the run, so the host never waits on the device for them; on CPU the host clock is used
+(every op is synchronous there anyway).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from track_1_short.perf import compile_cache
+
+
+class StepTimer:
+    """Per-step and per-phase milliseconds without host syncs: a CUDA event at the start of each
+    timed step, at the end of each of its phases (`mark`) and at its end, read once the run is
+    over (host clock on CPU, where every op is synchronous anyway).
+
+    A phase's time is the compute stream's time from the previous mark to its own: its kernels,
+    plus any gap in which the stream waited for the host. Marks of a step that was not started
+    are ignored (warmup steps run the same train_step untimed). train_step's marks, in order:
+    micro_steps, optimizer, ngram_update (event steps only)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: dict[int, list[tuple[str, object]]] = {}
+        self.ms: dict[int, float] = {}
+        self.phase_ms: dict[int, dict[str, float]] = {}
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, step: int) -> None:
+        self.pending[step] = [("start", self._now())]
+
+    def mark(self, step: int, phase: str) -> None:
+        """End of `phase` of a started step (no-op for a step that is not timed)."""
+        if step in self.pending:
+            self.pending[step].append((phase, self._now()))
+
+    def stop(self, step: int) -> None:
+        self.pending[step].append(("end", self._now()))
+        if not self.cuda:
+            self._close(step, self.pending.pop(step))
+
+    def _close(self, step: int, marks: list[tuple[str, object]]) -> None:
+        def elapsed_ms(a, b) -> float:
+            return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        self.ms[step] = elapsed_ms(marks[0][1], marks[-1][1])
+        self.phase_ms[step] = {phase: elapsed_ms(prev, t)
+                               for (_, prev), (phase, t) in zip(marks, marks[1:]) if phase != "end"}
+
+    def resolve(self) -> dict[int, float]:
+        """All step times (synchronizes once on CUDA); per-phase times land in `phase_ms`."""
+        if self.pending:
+            if self.cuda:
+                torch.cuda.synchronize()
+            for step, marks in self.pending.items():
+                self._close(step, marks)
+            self.pending.clear()
+        return self.ms
+
+
+@contextmanager
+def counting_compiles(compiles: dict[str, int], phase: str):
+    """Adds the graphs dynamo compiles inside the block to compiles[phase]."""
+    before = compile_cache.graphs_compiled()
+    try:
+        yield
+    finally:
+        compiles[phase] = compiles.get(phase, 0) + compile_cache.graphs_compiled() - before
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (a no-op on CPU): around the clock's start, stop and pauses."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TrainClock:
+    """The timed run's wall clock, accumulated into `progress.train_time_s`: running during
+    steps, stopped (with the device synchronized) around validation, checkpoints and trace export.
+    `progress` is the trainer's Progress (anything with a float `train_time_s`)."""
+
+    def __init__(self, progress, device: torch.device):
+        self.progress, self.device = progress, device
+        self.since: float | None = None  # perf_counter at the last (re)start; None: stopped
+
+    def start(self) -> None:
+        sync(self.device)
+        self.since = time.perf_counter()
+
+    def stop(self) -> None:
+        sync(self.device)
+        self.progress.train_time_s += time.perf_counter() - self.since
+        self.since = None
+
+    @contextmanager
+    def paused(self):
+        """Work that is not training stops the clock for the block."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def elapsed_s(self) -> float:
+        """The run's train time so far, without a sync (the running part is host time)."""
+        running = 0.0 if self.since is None else time.perf_counter() - self.since
+        return self.progress.train_time_s + running
