@@ -16,7 +16,8 @@ T = 49,152, N = 1, prefix weight 0; V = 50,304, D = 768, bf16, one rank's micro-
 - errors against a float32 reference (the logit gradient by autograd of the torch path on the
   same bf16 logits in float32, GEMMs in float32): loss max abs, dx and dw relative (Frobenius),
   for the fused op and for the torch path;
-- --sweep: the kernel alone for several LaunchConfigs (block_v, num_warps, programs_per_sm).
+- --sweep: the kernel alone for several LaunchConfigs (block_v, num_warps, programs_per_sm,
+  fast_math, fma_exp_passes).
 
 Run (H200, ~3 min, mostly the torch path's compile):
     PYTHONPATH=. python bench/loss_kernel.py --out docs/results/loss_kernel_h200.json --sweep
@@ -44,8 +45,10 @@ FULL_SHAPES = {"V": 50304, "D": 768}
 SMOKE_SHAPES = {"V": 300, "D": 32}
 SMOKE_TOKENS = {"A": 24, "C": 40}
 TOKEN_IDS = 50257
-SWEEP = ((4096, 16, 2), (4096, 16, 1), (4096, 8, 4), (2048, 8, 2), (2048, 8, 4), (8192, 16, 2),
-         (4096, 16, 4), (2048, 4, 8))
+# (block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes)
+SWEEP = ((4096, 8, 8, True, 0), (4096, 8, 8, True, 1), (4096, 8, 8, True, 2), (4096, 8, 8, False, 1),
+         (4096, 16, 4, True, 1), (4096, 16, 4, True, 2), (4096, 8, 4, True, 1), (4096, 16, 2, True, 1),
+         (2048, 4, 8, True, 1), (2048, 8, 4, True, 1), (2048, 4, 16, True, 1), (8192, 16, 4, True, 1))
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -175,16 +178,19 @@ def sweep(args: tuple, device: torch.device, a, kernels) -> list[dict]:
     x, w, targets, mtp, pw, prefix = args
     logits = torch.mm(x.detach(), w.detach())
     rows = []
-    for block_v, num_warps, per_sm in SWEEP:
-        launch = kernels.LaunchConfig(block_v=block_v, num_warps=num_warps, programs_per_sm=per_sm)
+    for block_v, num_warps, per_sm, fast, fma in SWEEP:
+        launch = kernels.LaunchConfig(block_v=block_v, num_warps=num_warps, programs_per_sm=per_sm,
+                                      fast_math=fast, fma_exp_passes=fma)
 
         def step(_, launch=launch):
             kernels.softcap_ce_rows_(logits, targets, mtp, pw, prefix, launch)
         t = common.run_guarded(f"sweep {launch}", lambda: time_variant(step, device, a.iters, a.warmup),
                                a.sweep_errors)
         if t is not None:
-            rows.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm, **t})
-            print(f"  sweep {block_v}/{num_warps}/{per_sm}: {t['median_ms']:.3f} ms", flush=True)
+            rows.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm,
+                         "fast_math": fast, "fma_exp_passes": fma, **t})
+            print(f"  sweep {block_v}/{num_warps}/{per_sm} fast={fast} fma={fma}: {t['median_ms']:.3f} ms",
+                  flush=True)
     return rows
 
 
@@ -206,7 +212,9 @@ def parse(argv):
 def launch_config(kernels, smoke: bool):
     """The op's default launch; --smoke: narrow chunks (the interpreter's time grows with the
     chunk width, and V = 300 then spans two chunks and a tail)."""
-    return kernels.LaunchConfig(block_v=256, num_warps=4, programs_per_sm=2) if smoke else kernels.DEFAULT_LAUNCH
+    if smoke:
+        return kernels.LaunchConfig(block_v=256, num_warps=4, programs_per_sm=2)
+    return kernels.DEFAULT_LAUNCH
 
 
 def main(argv: list[str] | None = None) -> int:

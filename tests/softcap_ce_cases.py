@@ -5,7 +5,10 @@ math (model/loss.py's training_loss on float64 softcapped logits of the same GEM
 against model/loss.py's own float32 torch path; N in {1, 2, 3}, T not a multiple of anything,
 V not a power of two and not a multiple of BLOCK_V, rows past T - N (tail validity), prefix ids
 mixing -1 and valid ids, zero and nonzero MTP/prefix weights, random upstream gradients, float32
-and bf16; torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. Each case prints its measured errors (run with -s to see them).
+and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma_exp_passes 0, 1,
+2); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. Each case prints its
+measured errors (run with -s to see them). The interpreter runs the plain-math variant
+(fast_math's inline PTX cannot run there).
 
 Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
 set before triton is first imported, and must not leak into other tests, so
@@ -30,9 +33,12 @@ from track_1_short.kernels.softcap_ce import (LaunchConfig, interpreted, linear_
 from track_1_short.model.loss import (SOFTCAP_DIV, SOFTCAP_SCALE, SOFTCAP_SHIFT, softcap,  # noqa: E402
                                       training_loss)
 
-# V = 397 with BLOCK_V = 128: three full chunks and a 13-column tail; 5 programs over T rows
-SMALL = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5)
-LARGE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3)
+# V = 397 with BLOCK_V = 128: three full chunks and a 13-column tail; 5 programs over T rows.
+# fma_exp_passes: which softmax exps run the polynomial exp2 (0: none, 1: pass 2, 2: both).
+SMALL = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=1)
+SMALL_MUFU = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=0)
+SMALL_FMA2 = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=2)
+LARGE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2)
 
 
 def _inputs(seed: int, t: int, d: int, v: int, n: int, dtype: torch.dtype, prefix_share: float = 0.6,
@@ -88,8 +94,8 @@ def test_kernel_is_interpreted():
 # bf16 in the kernel (truncated in the interpreter, see below) and the backward GEMMs write bf16.
 CASES = [
     (torch.float32, 1, 67, 397, SMALL, 1e-6, 1e-5),
-    (torch.float32, 2, 67, 397, SMALL, 1e-6, 1e-5),
-    (torch.float32, 3, 67, 397, SMALL, 1e-6, 1e-5),
+    (torch.float32, 2, 67, 397, SMALL_MUFU, 1e-6, 1e-5),
+    (torch.float32, 3, 67, 397, SMALL_FMA2, 1e-6, 1e-5),
     (torch.bfloat16, 3, 130, 1000, LARGE, 1e-6, 1e-2),
     (torch.bfloat16, 1, 64, 384, LARGE, 1e-6, 1e-2),
 ]
@@ -117,7 +123,7 @@ def test_logit_gradient_written_over_the_logits(dtype, ulp_rel):
     """The raw op's dz (unit upstream gradient) element by element: within one ulp of dz's dtype
     plus float32 math, and the loss within float32 rounding."""
     x, w, targets, mtp, pw, prefix, _ = _inputs(seed=7, t=70, d=32, v=397, n=3, dtype=dtype)
-    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 128, 4, 5)
+    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 128, 4, 5, False, 1)
     loss_ref, dz_ref, _, _ = _reference_float64(x, w, targets, mtp, pw, prefix, torch.ones(70))
     assert dz.shape == (70, 397) and dz.dtype == dtype
     # one ulp of the element, plus float32 math (cancellation near the targets) of 1e-6 of its row
@@ -159,14 +165,15 @@ def test_matches_the_float32_torch_path():
     ref = training_loss(softcap(xr @ wr), targets, mtp, pw, prefix)
     ref.backward(upstream)
     loss, dx, dw = _fused(x, w, targets, mtp, pw, prefix, upstream, launch=LARGE)
-    errs = (max_err(loss, ref.double()), rel_err(dx, xr.grad.double()), rel_err(dw, wr.grad.double()))
+    errs = (max_err(loss, ref.detach().double()), rel_err(dx, xr.grad.double()),
+            rel_err(dw, wr.grad.double()))
     print(f"\nvs torch path (bf16): loss max {errs[0]:.2e}, dx rel {errs[1]:.2e}, dw rel {errs[2]:.2e}")
     assert errs[0] < 1e-6 and max(errs[1:]) < 1e-2
 
 
 def test_opcheck():
     x, w, targets, mtp, pw, prefix, _ = _inputs(seed=6, t=17, d=8, v=100, n=2, dtype=torch.float32)
-    args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2)
+    args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2, False, 1)
     torch.library.opcheck(linear_softcap_ce_op, args)
 
 
@@ -183,8 +190,8 @@ def test_compiled_fullgraph_equals_eager():
         out = fn(xl, wl, mtp, pw)
         out.backward()
         grads.append((out.detach(), xl.grad, wl.grad))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):  # the same op; inductor may sum the [T] products in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # new weight values reach the compiled kernel (device tensors, not baked constants)
     doubled = compiled(x, w, mtp * 2, pw * 2)
     torch.testing.assert_close(doubled, 2 * grads[0][0], rtol=1e-5, atol=1e-5)

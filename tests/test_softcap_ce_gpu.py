@@ -5,11 +5,13 @@ kernel at the speedrun's shapes (V = 50,304, D = 768, bf16; key A: T = 16,384, N
 ids; key C: T = 49,152, N = 1, prefix weight 0) against a float32 reference (the logit gradient
 by autograd of model/loss.py's torch path on the same bf16 logits in float32, the GEMMs in
 float32), next to the torch path as GPT.forward runs it (bf16 autograd); the logit gradient
-element by element within half a bf16 ulp; torch.compile(fullgraph=True) of a function calling
-the op equal to eager; CUDA-graph capture of forward + backward replayed on new inputs (new
-ids, MTP and prefix weight values) equal to eager; no host sync in forward + backward
-(torch.cuda.set_sync_debug_mode("error")). Each test prints its measured errors (-s).
-Hardware: one CUDA GPU with >= 60 GB (H200); ~1 min.
+element by element within half a bf16 ulp (fast_math and fma_exp_passes variants);
+torch.compile(fullgraph=True) of a function calling the op equal to eager; CUDA-graph capture of
+forward + backward replayed on new inputs (new ids, MTP and prefix weight values) equal to eager;
+no host sync in forward + backward (torch.cuda.set_sync_debug_mode("error")). Each test prints
+its measured errors (-s). Passed on one H200 (torch 2.11, Triton 3.6.0), 8 tests in 18 s:
+docs/results/gpu_tests_softcap_ce_h200.log.
+Hardware: one CUDA GPU with >= 60 GB (H200); ~20 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest -m gpu tests/test_softcap_ce_gpu.py -q -s`.
 
 Legend: T tokens, D model dim, V vocab, N MTP targets.
@@ -84,16 +86,19 @@ def test_parity_with_float32_reference_at_speedrun_shapes(key):
     assert errs["fused"][0] < 1e-5 * loss_scale
     assert max(errs["fused"][1:]) < 4e-3
     # no worse than the torch path's own bf16 backward, up to rounding noise
-    assert errs["fused"][1] < 1.5 * errs["torch"][1] + 5e-4 and errs["fused"][2] < 1.5 * errs["torch"][2] + 5e-4
+    for i in (1, 2):
+        assert errs["fused"][i] < 1.5 * errs["torch"][i] + 5e-4
 
 
-def test_logit_gradient_within_half_a_bf16_ulp():
+@pytest.mark.parametrize("fast_math,fma", [(True, 1), (False, 0), (True, 2)])
+def test_logit_gradient_within_half_a_bf16_ulp(fast_math, fma):
     x, w, targets, mtp, pw, prefix = _inputs("A", seed=2)
-    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 4096, 16, 2)
+    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 4096, 16, 2, fast_math, fma)
     loss_ref, dz_ref, _, _ = _reference_float32(x, w, targets, mtp, pw, prefix)
     bound = dz_ref.abs() * 2.0 ** -8 + 1e-5 * dz_ref.abs().amax(1, keepdim=True)  # [T, V]
     excess = float(((dz.float() - dz_ref).abs() / bound).max())
-    print(f"\ndz: worst element {excess:.2f} of its bound, rel {rel_err(dz, dz_ref):.2e}")
+    print(f"\ndz (fast_math={fast_math}, fma_exp_passes={fma}): worst element {excess:.2f} of its "
+          f"bound, rel {rel_err(dz, dz_ref):.2e}")
     assert excess <= 1.0
     assert float((loss - loss_ref).abs().max()) < 1e-5 * float(loss_ref.abs().max())
 
