@@ -1,4 +1,5 @@
-"""Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py and bench/optimizer.py,
+"""Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py, bench/optimizer.py and
+bench/loss_kernel.py,
 so they do not rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
@@ -8,8 +9,10 @@ RecordingGraphBackend stand-in and the real EagerStep, with a real AnvilAndAdam)
 command, every key and variant, computed goals and the model JSON from the eager variant;
 optimizer.py (--smoke: the tiny model, compile off and on, the latter on aot_eager) writes even and
 odd step times per mode, every unit's time and no recompile in its timed steps. Plus the
-FLOPs arithmetic and the synthetic batch's packing invariants, checked directly.
-Hardware: CPU; ~30 s on 2 busy cores.
+FLOPs arithmetic and the synthetic batch's packing invariants, checked directly. loss_kernel.py
+--smoke runs the fused loss kernel in the Triton interpreter (its process sets TRITON_INTERPRET=1
+before importing triton; needs triton installed).
+Hardware: CPU; ~30 s on 2 busy cores, plus ~30 s for loss_kernel (marked slow).
 Run: `.venv/bin/python -m pytest tests/test_bench_smoke.py -q`.
 """
 
@@ -89,6 +92,21 @@ def test_optimizer_bench_smoke(tmp_path):
         assert all(r["median_ms"] > 0 for r in [*row["step_ms"].values(), *row["unit_ms"].values()])
     assert data["modes"]["on"]["compiles"]["warmup"] > 0
     assert set(data["compiled_over_eager"]) == {"even", "odd"}
+
+
+@pytest.mark.slow
+def test_loss_kernel_bench_smoke(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "lk.json"
+    _run("loss_kernel.py", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["complete"] and "--smoke" in data["command"] and not data["errors"]
+    assert data["settings"]["interpreted"] is True and set(data["keys"]) == {"A", "C"}
+    for row in data["keys"].values():
+        assert set(row["variants"]) == {"torch", "fused", "gemms", "kernel"}
+        assert all(v["median_ms"] > 0 and v["n"] == 2 for v in row["variants"].values())
+        fused, scale = row["errors"]["fused"], row["errors"]["loss_scale"]
+        assert fused["loss_max_abs"] < 1e-5 * scale and max(fused["dx_rel"], fused["dw_rel"]) < 1e-2
 
 
 def test_flops_formula():

@@ -1,0 +1,197 @@
+"""Kernel cases of track_1_short/kernels/softcap_ce.py in the Triton interpreter (CPU).
+
+Scope: the fused op's loss, logit gradient and (dx, dw) against a float64 reference of the same
+math (model/loss.py's training_loss on float64 softcapped logits of the same GEMM output), and
+against model/loss.py's own float32 torch path; N in {1, 2, 3}, T not a multiple of anything,
+V not a power of two and not a multiple of BLOCK_V, rows past T - N (tail validity), prefix ids
+mixing -1 and valid ids, zero and nonzero MTP/prefix weights, random upstream gradients, float32
+and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma_exp_passes 0, 1,
+2); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. Each case prints its
+measured errors (run with -s to see them). The interpreter runs the plain-math variant
+(fast_math's inline PTX cannot run there).
+
+Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
+set before triton is first imported, and must not leak into other tests, so
+tests/test_softcap_ce.py runs this file in its own pytest process.
+Hardware: CPU; ~1-3 s per kernel call in the interpreter, ~2 min in all on 2 busy cores.
+Run: `TRITON_INTERPRET=1 PYTHONPATH=. .venv/bin/python -m pytest -s -q tests/softcap_ce_cases.py`.
+
+Legend: T tokens, D model dim, V vocab, N MTP targets.
+"""
+
+import os
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError("tests/softcap_ce_cases.py needs TRITON_INTERPRET=1 set before triton is imported; "
+                       "run it through tests/test_softcap_ce.py or as its docstring says")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from track_1_short.kernels.softcap_ce import (LaunchConfig, interpreted, linear_softcap_ce,  # noqa: E402
+                                              linear_softcap_ce_op)
+from track_1_short.model.loss import (SOFTCAP_DIV, SOFTCAP_SCALE, SOFTCAP_SHIFT, softcap,  # noqa: E402
+                                      training_loss)
+
+# V = 397 with BLOCK_V = 128: three full chunks and a 13-column tail; 5 programs over T rows.
+# fma_exp_passes: which softmax exps run the polynomial exp2 (0: none, 1: pass 2, 2: both).
+SMALL = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=1)
+SMALL_MUFU = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=0)
+SMALL_FMA2 = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=2)
+LARGE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2)
+
+
+def _inputs(seed: int, t: int, d: int, v: int, n: int, dtype: torch.dtype, prefix_share: float = 0.6,
+            weights: list[float] | None = None, prefix_weight: float = 0.25):
+    """Fresh random inputs (never zeros): x [T, D], w [D, V] scaled so z spans the softcap's
+    range, targets [T], prefix ids [T] (-1 on ~1 - prefix_share of tokens), MTP weights [N]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    w = (torch.randn(d, v, generator=g) * (6.0 / d ** 0.5)).to(dtype)
+    targets = torch.randint(0, v, (t,), generator=g)
+    prefix = torch.randint(0, v, (t,), generator=g)
+    prefix[torch.rand(t, generator=g) >= prefix_share] = -1
+    if weights is None:
+        weights = (0.5 + torch.rand(n, generator=g)).tolist()
+    upstream = torch.randn(t, generator=g)  # [T]: a non-uniform dloss_sum/dloss_t
+    return (x, w, targets, torch.tensor(weights, dtype=torch.float32),
+            torch.tensor(prefix_weight, dtype=torch.float32), prefix, upstream)
+
+
+def _reference_float64(x, w, targets, mtp_weights, prefix_weight, prefix, upstream):
+    """(loss [T], dz [T, V] for the upstream gradient, dx [T, D], dw [D, V]) in float64, from the
+    same GEMM output z = x @ w the op rounds to x's dtype."""
+    z = torch.mm(x, w).double().requires_grad_()  # [T, V]
+    capped = SOFTCAP_SCALE * torch.sigmoid((z + SOFTCAP_SHIFT) / SOFTCAP_DIV)  # loss.softcap in float64
+    loss = training_loss(capped, targets, mtp_weights.double(), prefix_weight.double(), prefix)
+    (dz,) = torch.autograd.grad(loss, z, upstream.double())
+    return loss.detach(), dz, dz @ w.double().T, x.double().T @ dz
+
+
+def _fused(x, w, targets, mtp_weights, prefix_weight, prefix, upstream, launch):
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_softcap_ce(xl, wl, targets, mtp_weights, prefix_weight, prefix, launch=launch)
+    loss.backward(upstream)
+    return loss.detach(), xl.grad, wl.grad
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """||a - ref|| / ||ref|| (Frobenius), in float64."""
+    return float((a.detach().double() - ref).norm() / ref.norm())
+
+
+def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref|."""
+    return float((a.detach().double() - ref).abs().max() / ref.abs().max())
+
+
+def test_kernel_is_interpreted():
+    assert interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+
+
+# (dtype, N, T, V, launch, loss tolerance, gradient tolerance). float32: everything but the
+# kernel's float32 math is exact, so errors are float32 rounding. bf16: the gradient is rounded to
+# bf16 in the kernel (truncated in the interpreter, see below) and the backward GEMMs write bf16.
+CASES = [
+    (torch.float32, 1, 67, 397, SMALL, 1e-6, 1e-5),
+    (torch.float32, 2, 67, 397, SMALL_MUFU, 1e-6, 1e-5),
+    (torch.float32, 3, 67, 397, SMALL_FMA2, 1e-6, 1e-5),
+    (torch.bfloat16, 3, 130, 1000, LARGE, 1e-6, 1e-2),
+    (torch.bfloat16, 1, 64, 384, LARGE, 1e-6, 1e-2),
+]
+
+
+@pytest.mark.parametrize("dtype,n,t,v,launch,loss_tol,grad_tol", CASES)
+def test_loss_and_gradients_match_float64_reference(dtype, n, t, v, launch, loss_tol, grad_tol):
+    args = _inputs(seed=1000 * n + t, t=t, d=32, v=v, n=n, dtype=dtype)
+    loss_ref, _, dx_ref, dw_ref = _reference_float64(*args)
+    loss, dx, dw = _fused(*args, launch=launch)
+    assert loss.dtype == torch.float32 and dx.dtype == dtype and dw.dtype == dtype
+    errs = {"loss_max": max_err(loss, loss_ref), "dx_rel": rel_err(dx, dx_ref), "dw_rel": rel_err(dw, dw_ref),
+            "dx_max": max_err(dx, dx_ref), "dw_max": max_err(dw, dw_ref)}
+    print(f"\n{dtype} N={n} T={t} V={v}: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()))
+    assert errs["loss_max"] < loss_tol
+    assert max(errs["dx_rel"], errs["dw_rel"]) < grad_tol
+    assert max(errs["dx_max"], errs["dw_max"]) < 4 * grad_tol
+
+
+# The interpreter's float32 -> bf16 cast truncates (triton 3.6 runtime/interpreter.py cast_impl);
+# the GPU rounds to nearest. Bound per element: one bf16 ulp here (2^-7 relative), half an ulp on
+# the GPU (tests/test_softcap_ce_gpu.py).
+@pytest.mark.parametrize("dtype,ulp_rel", [(torch.float32, 2.0 ** -23), (torch.bfloat16, 2.0 ** -7)])
+def test_logit_gradient_written_over_the_logits(dtype, ulp_rel):
+    """The raw op's dz (unit upstream gradient) element by element: within one ulp of dz's dtype
+    plus float32 math, and the loss within float32 rounding."""
+    x, w, targets, mtp, pw, prefix, _ = _inputs(seed=7, t=70, d=32, v=397, n=3, dtype=dtype)
+    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 128, 4, 5, False, 1)
+    loss_ref, dz_ref, _, _ = _reference_float64(x, w, targets, mtp, pw, prefix, torch.ones(70))
+    assert dz.shape == (70, 397) and dz.dtype == dtype
+    # one ulp of the element, plus float32 math (cancellation near the targets) of 1e-6 of its row
+    bound = dz_ref.abs() * ulp_rel + 1e-6 * dz_ref.abs().amax(1, keepdim=True)  # [T, V]
+    excess = (dz.double() - dz_ref).abs() / bound
+    print(f"\n{dtype} dz: max {max_err(dz, dz_ref):.2e}, rel {rel_err(dz, dz_ref):.2e}, "
+          f"worst element {float(excess.max()):.2f} of its bound")
+    assert float(excess.max()) <= 1.0 and max_err(loss, loss_ref) < 1e-6
+
+
+def test_tail_rows_zero_weights_and_missing_prefixes():
+    """Rows t >= T - 2 lose MTP terms; weight 0 turns a term off; a -1 prefix turns its term off
+    (here all prefixes -1 but with a nonzero weight, and an MTP weight of 0)."""
+    args = _inputs(seed=3, t=33, d=32, v=397, n=3, dtype=torch.float32, prefix_share=0.0,
+                   weights=[1.0, 0.0, 0.5], prefix_weight=0.7)
+    loss_ref, _, dx_ref, dw_ref = _reference_float64(*args)
+    loss, dx, dw = _fused(*args, launch=SMALL)
+    assert max_err(loss, loss_ref) < 1e-6
+    assert rel_err(dx, dx_ref) < 1e-5 and rel_err(dw, dw_ref) < 1e-5
+    x, w, targets, _, _, _, _ = args
+    capped = softcap(torch.mm(x, w)).double()
+    lse = torch.logsumexp(capped, -1)
+    last = lse[-1] - capped[-1, targets[-1]]  # only k = 0 is valid in the last row
+    assert float(loss[-1]) == pytest.approx(float(last), rel=1e-6)
+
+
+def test_all_weights_zero_give_zero_loss_and_gradients():
+    args = _inputs(seed=4, t=40, d=32, v=397, n=2, dtype=torch.float32, weights=[0.0, 0.0],
+                   prefix_weight=0.0)
+    loss, dx, dw = _fused(*args, launch=SMALL)
+    assert torch.count_nonzero(loss) == 0 and torch.count_nonzero(dx) == 0 and torch.count_nonzero(dw) == 0
+
+
+def test_matches_the_float32_torch_path():
+    """Against model/loss.py as GPT.forward runs it: training_loss(softcap(x @ w), ...), bf16."""
+    x, w, targets, mtp, pw, prefix, upstream = _inputs(seed=5, t=96, d=32, v=1000, n=3,
+                                                       dtype=torch.bfloat16)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = training_loss(softcap(xr @ wr), targets, mtp, pw, prefix)
+    ref.backward(upstream)
+    loss, dx, dw = _fused(x, w, targets, mtp, pw, prefix, upstream, launch=LARGE)
+    errs = (max_err(loss, ref.detach().double()), rel_err(dx, xr.grad.double()),
+            rel_err(dw, wr.grad.double()))
+    print(f"\nvs torch path (bf16): loss max {errs[0]:.2e}, dx rel {errs[1]:.2e}, dw rel {errs[2]:.2e}")
+    assert errs[0] < 1e-6 and max(errs[1:]) < 1e-2
+
+
+def test_opcheck():
+    x, w, targets, mtp, pw, prefix, _ = _inputs(seed=6, t=17, d=8, v=100, n=2, dtype=torch.float32)
+    args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2, False, 1)
+    torch.library.opcheck(linear_softcap_ce_op, args)
+
+
+def test_compiled_fullgraph_equals_eager():
+    x, w, targets, mtp, pw, prefix, upstream = _inputs(seed=8, t=50, d=32, v=397, n=3, dtype=torch.float32)
+
+    def step(x, w, mtp, pw):
+        return (linear_softcap_ce(x, w, targets, mtp, pw, prefix, launch=SMALL) * upstream).sum()
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    grads = []
+    for fn in (step, compiled):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xl, wl, mtp, pw)
+        out.backward()
+        grads.append((out.detach(), xl.grad, wl.grad))
+    for a, b in zip(*grads):  # the same op; inductor may sum the [T] products in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # new weight values reach the compiled kernel (device tensors, not baked constants)
+    doubled = compiled(x, w, mtp * 2, pw * 2)
+    torch.testing.assert_close(doubled, 2 * grads[0][0], rtol=1e-5, atol=1e-5)

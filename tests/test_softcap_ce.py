@@ -1,0 +1,112 @@
+"""The fused lm-head + softcapped CE op (track_1_short/kernels/softcap_ce.py) on the CPU.
+
+Scope: the kernel cases (tests/softcap_ce_cases.py: loss, logit gradient, dx and dw against a
+float64 reference and against model/loss.py's torch path, opcheck, torch.compile) run in a child
+pytest process with TRITON_INTERPRET=1, which must be set before triton is imported and must not
+leak into this process. Here, without the interpreter: the fake (meta) registration at the
+speedrun's shapes, every input error, LaunchConfig validation, and the clear error for CPU
+tensors when the kernel is not interpreted.
+Hardware: CPU (needs triton installed; skipped otherwise); the child process ~2 min on 2 busy
+cores (marked slow), the rest < 5 s.
+Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_softcap_ce.py -q`.
+
+Legend: T tokens, D model dim, V vocab, N MTP targets.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+pytest.importorskip("triton")
+
+from track_1_short.kernels import softcap_ce  # noqa: E402
+from track_1_short.kernels.softcap_ce import LaunchConfig, linear_softcap_ce  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_CASES = 13  # tests in softcap_ce_cases.py (parametrizations included)
+
+
+@pytest.mark.slow
+def test_kernel_cases_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
+                           "tests/softcap_ce_cases.py"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, out
+    assert re.search(rf"\b{NUM_CASES} passed\b", proc.stdout), out
+
+
+def _args(t=49152, d=768, v=50304, n=3, device="cuda", dtype=torch.bfloat16):
+    """Speedrun-shaped inputs (stage C tokens, N = 3 as in stage A), on `device`."""
+    return (torch.empty(t, d, dtype=dtype, device=device), torch.empty(d, v, dtype=dtype, device=device),
+            torch.zeros(t, dtype=torch.int64, device=device), torch.ones(n, device=device),
+            torch.tensor(0.25, device=device), torch.full((t,), -1, dtype=torch.int64, device=device))
+
+
+def test_fake_registration_gives_loss_and_logit_gradient_shapes():
+    with FakeTensorMode():
+        args = _args()
+        loss, dz = softcap_ce.linear_softcap_ce_op(*args, 4096, 16, 2, True, 1)
+        assert loss.shape == (49152,) and loss.dtype == torch.float32 and loss.device.type == "cuda"
+        assert dz.shape == (49152, 50304) and dz.dtype == torch.bfloat16
+    with FakeTensorMode():  # autograd through the fake kernel (CPU fakes: the CPU build has no CUDA autograd)
+        args = _args(device="cpu")
+        x, w = args[0].requires_grad_(), args[1].requires_grad_()
+        out = linear_softcap_ce(x, w, *args[2:])
+        assert out.shape == (49152,) and out.requires_grad
+        dx, dw = torch.autograd.grad(out.sum(), (x, w))
+        assert dx.shape == x.shape and dw.shape == w.shape and dw.dtype == torch.bfloat16
+
+
+def _with(index, value):
+    args = list(_args(t=16, d=8, v=40, device="cpu"))
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize("args,match", [
+    (_with(0, torch.empty(16, 9, dtype=torch.bfloat16)), "x \\[T, D\\] and w \\[D, V\\]"),
+    (_with(0, torch.empty(16, 8)), "one dtype"),
+    (_with(1, torch.empty(8, 40, dtype=torch.float16)), "one dtype"),
+    (_with(2, torch.zeros(16, dtype=torch.int32)), "targets needs int64"),
+    (_with(5, torch.zeros(15, dtype=torch.int64)), "prefix_targets needs int64"),
+    (_with(3, torch.ones(0)), "mtp_weights needs float32"),
+    (_with(3, torch.ones(2, dtype=torch.float64)), "mtp_weights needs float32"),
+    (_with(4, torch.tensor([0.25])), "prefix_weight needs a float32 0-d"),
+    (_with(0, torch.empty(0, 8, dtype=torch.bfloat16)), "empty input"),
+])
+def test_bad_inputs_are_value_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        linear_softcap_ce(*args)
+
+
+def test_inputs_on_two_devices_are_a_value_error():
+    with FakeTensorMode():
+        args = list(_args(t=16, d=8, v=40, device="cpu"))
+        args[1] = torch.empty(8, 40, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ValueError, match="one device"):
+            linear_softcap_ce(*args)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"block_v": 1000}, "block_v=1000"), ({"block_v": 8}, "block_v=8"),
+                                          ({"num_warps": 3}, "num_warps=3"),
+                                          ({"programs_per_sm": 0}, "programs_per_sm=0"),
+                                          ({"fma_exp_passes": 3}, "fma_exp_passes=3")])
+def test_launch_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LaunchConfig(**kwargs)
+
+
+def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
+    if softcap_ce.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1")
+    args = _args(t=16, d=8, v=40, device="cpu")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        linear_softcap_ce(*args)

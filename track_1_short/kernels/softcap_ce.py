@@ -1,0 +1,399 @@
+"""Fused lm-head + softcapped cross-entropy (MTP and prefix terms): one Triton kernel that writes
+the per-token loss and the logit gradient in the forward, so the backward is two GEMMs.
+
+What it replaces: the training path of GPT.forward, `training_loss(softcap(x @ lm_head), targets,
+mtp_weights, prefix_weight, prefix_table[targets])` (model/loss.py, the slow reference, which
+tests/test_softcap_ce.py and tests/test_softcap_ce_gpu.py check this against). Why faster: the
+torch path runs ~16.5 ms per stage-C micro-step (T=49,152) outside the GEMMs, because its
+backward builds two dense float32 [T, V] tensors; the public record (modded-nanogpt HEAD,
+FusedSoftcappedCrossEntropy, triton_kernels.py:906-1292; facts 1.6) does the loss in ~3.2 ms
+with one kernel that writes the logit gradient in the forward. Floor: one read and one write of
+the bf16 logits (4.9 GB at stage C) ~ 2.3 ms at ~4.3 TB/s. Measured below ("Speed").
+
+How it works (one definition for eager, torch.compile and CUDA-graph capture):
+    forward   z = x @ w                                    bf16 GEMM (torch.mm) -> [T, V]
+              kernel, one program per row (persistent: rows pid, pid + P, ...):
+                read the row's N + 1 target slots (targets[t + k], prefix_t): columns, weights,
+                  logits
+                pass 1 over V in BLOCK_V chunks: S_t = sum_j exp(z'_tj)  -> lse_t, loss_t
+                pass 2 over V: W_t softmax_j dz'/dz, written IN PLACE over z (z.dtype)
+                fix-up: the slots' columns rewritten with their one-hot terms subtracted
+              returns (loss [T] float32, dz [T, V]); dz is saved for the backward
+    backward  upstream g [T]: row scaling commutes with the GEMMs, so
+              dx = g[:, None] * (dz @ w^T)    dw = (g[:, None] * x)^T @ dz
+              (two GEMMs and [T, D] scalings, no [T, V] elementwise pass)
+No max pass: z' lies in (0, 23), so exp(z') <= e^23 ~ 1e10 and the float32 sum over V = 50,304
+stays below 5e14. The one-hot terms touch N + 1 columns per row, so they are a scalar fix-up
+after pass 2 (behind a CTA barrier), not a compare per element.
+
+Speed (bench/loss_kernel.py, one H200, docs/results/loss_kernel_h200.json): per micro-step,
+forward + backward of the loss including its three GEMMs, compiled:
+    key C (T = 49,152, N = 1):  torch path 31.8 ms, fused 21.6 ms; GEMMs alone 18.4 ms
+    key A (T = 16,384, N = 3):  torch path 10.5 ms, fused 7.1 ms;  GEMMs alone 5.7 ms
+The kernel alone: 4.2 ms at C, 1.4 ms at A; the loss beyond its GEMMs went from 13.3 to 3.2 ms
+at C and 4.8 to 1.4 ms at A, and the peak memory above the inputs from 23.0 to 4.8 GiB at C (dz
+is the only [T, V] tensor). Errors against a float32 reference equal the torch path's (dx, dw
+relative 2.3e-3, from the bf16 GEMM outputs). The kernel is bound by the MUFU (special function) unit, not by
+memory: per element sigmoid needs ex2 + rcp and softmax one ex2, in each pass, 6 MUFU ops at 16
+per SM-cycle ~ 3.5 ms at C; ncu (all exps on the MUFU) read SM busy 84%, DRAM 60% of peak,
+4.3 ms. Hence fma_exp_passes=1: pass 2's softmax exp2 runs as a degree-5 polynomial on the FMA
+pipes (4.3 -> 4.2 ms; both passes: 5.0 ms, then instruction issue binds). The record keeps a
+row's sigmoids in shared memory and so skips pass 2's sigmoid; Triton cannot hold a 50,304-wide
+row on chip across two loops, and stored to global memory in bf16 they would lose too much
+precision (23 * 2^-9 in z').
+
+Fast math (CUDA, LaunchConfig.fast_math): ex2.approx.ftz and rcp.approx.ftz as inline PTX
+instead of Triton's exp2 / division (denormal handling and a division sequence): no result
+here is denormal (z' >= 0, exp(z' - lse) >= e^-35), so only rounding differs (2 ulp).
+Measured 4.5 -> 4.2 ms at C. The interpreter cannot run inline PTX, so the CPU runs the plain
+expressions; tests/test_softcap_ce_gpu.py checks both variants on the GPU.
+
+Math (equal to model/loss.py up to float32 rounding; N = len(mtp_weights), shapes below):
+    z'_tj = 23 * sigmoid((z_tj + 5) / 7.5)        lse_t = log sum_j exp(z'_tj)
+    w_tk  = mtp_weights[k] * [t + k < T]          w_tp = prefix_weight * [prefix_t >= 0]
+    W_t   = sum_k w_tk + w_tp
+    loss_t = sum_k w_tk (lse_t - z'_t[targets[t + k]]) + w_tp (lse_t - z'_t[prefix_t])
+           = W_t lse_t - (sum_k w_tk z'_t[targets[t + k]] + w_tp z'_t[prefix_t])   (as computed)
+    dloss_t/dz_tj = (W_t softmax(z'_t)_j - sum_k w_tk [j = targets[t + k]] - w_tp [j = prefix_t])
+                    * z'_tj (23 - z'_tj) / (23 * 7.5)
+The gradient is rounded to z's dtype (bf16 in training: at most 2^-8 relative per element, half
+an ulp; measured 1.6e-3 relative overall on the GPU), as the record rounds it (to fp8 e5m2). Unlike the record's backward, which ignores grad_output,
+this one applies the upstream gradient exactly, so the loss is an ordinary differentiable tensor.
+
+What must stay stable: nothing here owns memory across calls (every call allocates z/dz and the
+loss; under CUDA graphs they live in the graph pool). mtp_weights and prefix_weight are device
+tensors read by the kernel (values may change between replays; never read on the host); N is a
+shape. No host sync, no data-dependent shapes. The Triton kernel compiles at its first call per
+(dtype, N, T, V, launch config) (V and the rows per program are constexprs: the interpreter
+needs constant loop bounds): call it once per key before capture (the project's warmup does).
+
+Registration: `t1s::linear_softcap_ce` is a torch.library.custom_op with a fake (meta) kernel and
+an autograd formula, so torch.compile(fullgraph=True) keeps it as one opaque extern call and
+AOTAutograd traces the backward's GEMMs. Output dz of the raw op is not differentiable.
+
+Plugging in (the lead installs it from outside the model, as a loss strategy): in GPT.forward's
+full-softmax training branch (bf16 head, fp8 off for the lm head),
+    loss = linear_softcap_ce(x, self.lm_head, targets, cfg.mtp_weights, cfg.prefix_weight,
+                             self.prefix_table[targets])           # [T] float32
+replaces `training_loss(softcap(x @ lm_head), ...)`; the trainer's loss.sum().backward() is
+unchanged.
+
+CPU: the kernel runs on CPU tensors only in the Triton interpreter, i.e. when TRITON_INTERPRET=1
+was set before triton was first imported (triton decides at decoration time, also for its own
+library functions); tests/softcap_ce_cases.py and bench/loss_kernel.py --smoke run that way in
+their own processes. Otherwise a CPU call is a ValueError.
+
+Deviations from the record: bf16 GEMMs and a bf16 logit gradient (the record: fp8 e4m3 GEMM,
+e5m2 gradient); a persistent Triton kernel over V chunks that recomputes the sigmoids in its
+second pass instead of an NVRTC kernel holding them in shared memory (4.2 vs ~3.2 ms); the
+upstream gradient is honoured.
+
+Legend: T tokens, D model dim, V vocab (padded), N MTP targets, P programs of the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from track_1_short.model.loss import SOFTCAP_DIV, SOFTCAP_SCALE, SOFTCAP_SHIFT
+
+_LOG2E = 1.0 / math.log(2.0)
+# z' = 23 sigmoid((z + 5) / 7.5) = 23 s with s = 1 / (1 + 2^(z * _ARG_MUL + _ARG_ADD));
+# exp(z') = 2^(s * _EXP_MUL)
+_ARG_MUL = tl.constexpr(-_LOG2E / SOFTCAP_DIV)
+_ARG_ADD = tl.constexpr(-SOFTCAP_SHIFT * _LOG2E / SOFTCAP_DIV)
+_SCALE = tl.constexpr(SOFTCAP_SCALE)
+_EXP_MUL = tl.constexpr(SOFTCAP_SCALE * _LOG2E)
+_LOG2E_C = tl.constexpr(_LOG2E)
+_DCAP = tl.constexpr(SOFTCAP_SCALE / SOFTCAP_DIV)  # dz'/dz = (23 / 7.5) s (1 - s)
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class LaunchConfig:
+    """Launch shape and math variant of the kernel. Defaults: within 1% of the fastest of
+    bench/loss_kernel.py --sweep on the H200 at V = 50,304 at both keys (module docstring,
+    "Speed")."""
+
+    block_v: int = 4096  # columns per chunk (power of two); 16 bf16 per thread at 8 warps
+    num_warps: int = 8
+    programs_per_sm: int = 8  # P = min(T, SMs * programs_per_sm); on the CPU SMs counts as 1
+    fast_math: bool = True  # CUDA: ex2/rcp.approx.ftz inline PTX (module docstring, "Fast math")
+    fma_exp_passes: int = 1  # softmax exps on the FMA pipes: 0 none, 1 pass 2, 2 both passes
+
+    def __post_init__(self):
+        if self.block_v < 16 or self.block_v & (self.block_v - 1):
+            raise ValueError(f"LaunchConfig.block_v={self.block_v}: needs a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"LaunchConfig.num_warps={self.num_warps}: choose 1, 2, 4, 8, 16 or 32")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm}: needs >= 1")
+        if self.fma_exp_passes not in (0, 1, 2):
+            raise ValueError(f"LaunchConfig.fma_exp_passes={self.fma_exp_passes}: choose 0, 1 or 2")
+
+
+DEFAULT_LAUNCH = LaunchConfig()
+
+
+@triton.jit
+def _exp2(x, FAST: tl.constexpr):
+    if FAST:  # one MUFU op: the outputs here are never denormal (module docstring, "Fast math")
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+# 2^f on [-1/2, 1/2], degree-5 minimax (Remez, relative error 7.7e-8; 2.3e-7 evaluated in float32,
+# about MUFU ex2.approx's 2 ulp)
+_P0 = tl.constexpr(1.0000001192092896)
+_P1 = tl.constexpr(0.6931469440460205)
+_P2 = tl.constexpr(0.24022114276885986)
+_P3 = tl.constexpr(0.05550709739327431)
+_P4 = tl.constexpr(0.009675757959485054)
+_P5 = tl.constexpr(0.0013277939287945628)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it holds rint(x) in its low mantissa bits
+
+
+@triton.jit
+def _exp2_fma(x):
+    """2^x without the MUFU unit (FMA and integer pipes only), for x <= 127; x below -125 gives
+    2^-125 (~2e-38, only ever a softmax weight that rounds to 0). x = j + f, j = rint(x): 2^f by
+    the polynomial, 2^j added into the exponent bits. (FlashAttention-4 emulates exp2 the same
+    way to unload the MUFU unit.)"""
+    x = tl.maximum(x, -125.0)
+    t = x + _ROUND_MAGIC
+    f = x - (t - _ROUND_MAGIC)
+    p = ((((_P5 * f + _P4) * f + _P3) * f + _P2) * f + _P1) * f + _P0
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _softmax_exp2(x, FMA: tl.constexpr, FAST: tl.constexpr):
+    """exp2 of pass 1 or 2: on the FMA pipes (FMA) or the MUFU unit."""
+    if FMA:
+        return _exp2_fma(x)
+    else:
+        return _exp2(x, FAST)
+
+
+@triton.jit
+def _sigmoid_of_logit(z, FAST: tl.constexpr):
+    """float32 z -> s = sigmoid((z + 5) / 7.5), so z' = 23 s and exp(z') = 2^(s * _EXP_MUL)."""
+    d = 1.0 + _exp2(z * _ARG_MUL + _ARG_ADD, FAST)
+    if FAST:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return 1.0 / d
+
+
+@triton.jit
+def _chunk_sigmoid(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+    """s of the logits row_ptr[c] (c [BLOCK_V] columns; MASKED: the tail chunk, c may reach V)."""
+    if MASKED:
+        z = tl.load(row_ptr + c, mask=c < V, other=0.0)
+    else:
+        z = tl.load(row_ptr + c)
+    return _sigmoid_of_logit(z.to(tl.float32), FAST)
+
+
+@triton.jit
+def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.constexpr,
+                      FMA: tl.constexpr, FAST: tl.constexpr):
+    """row_ptr[c] = W p (dz'/dz) with p = softmax(z')_c, grad_scale = W * 23 / 7.5: the gradient
+    of every column but the targets (the fix-up after pass 2 writes those)."""
+    s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST)
+    dz = (grad_scale * _softmax_exp2(s * _EXP_MUL - lse2, FMA, FAST)) * (s * (1.0 - s))
+    if MASKED:
+        tl.store(row_ptr + c, dz.to(row_ptr.dtype.element_ty), mask=c < V)
+    else:
+        tl.store(row_ptr + c, dz.to(row_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, T,
+                     V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, N: tl.constexpr,
+                     NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
+                     FMA2: tl.constexpr, FAST: tl.constexpr):
+    cols = tl.arange(0, BLOCK_V)
+    V_FULL: tl.constexpr = V - V % BLOCK_V  # columns in unmasked chunks
+    slot = tl.arange(0, NS)  # [NS]: k = 0..N-1 the MTP targets, N the prefix, beyond N padding
+    pw = tl.load(prefix_w_ptr)
+    # rows pid, pid + P, ...; loop bounds are constexprs: the interpreter turns int arguments into
+    # 1-element arrays, which `range` cannot take under numpy >= 2.4
+    for i in range(0, ROWS_PER_PROGRAM):
+        row = tl.program_id(0) + i * tl.num_programs(0)
+        if row < T:
+            row_ptr = z_ptr + row.to(tl.int64) * V
+            # the slots' columns, weights and logits, read before pass 2 overwrites the row
+            mtp_ok = (slot < N) & (row + slot < T)
+            tgt = tl.load(targets_ptr + row + slot, mask=mtp_ok, other=0)
+            pfx = tl.load(prefix_ptr + row)
+            pos = tl.where(slot == N, tl.maximum(pfx, 0), tgt)  # [NS] columns in [0, V)
+            w_mtp = tl.load(mtp_w_ptr + slot, mask=mtp_ok, other=0.0)
+            w = tl.where(mtp_ok, w_mtp, tl.where((slot == N) & (pfx >= 0), pw, 0.0))  # [NS]
+            s_slot = _sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST)  # [NS]
+            w_total = tl.sum(w, axis=0)
+            w_picked = tl.sum(w * (_SCALE * s_slot), axis=0)
+            # pass 1: S = sum_j exp(z'_j) (z' < 23: no max needed)
+            acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+            for start in range(0, V_FULL, BLOCK_V):
+                s = _chunk_sigmoid(row_ptr, start + cols, V, False, FAST)
+                acc += _softmax_exp2(s * _EXP_MUL, FMA1, FAST)
+            if V_FULL < V:
+                s = _chunk_sigmoid(row_ptr, V_FULL + cols, V, True, FAST)
+                acc += tl.where(V_FULL + cols < V, _softmax_exp2(s * _EXP_MUL, FMA1, FAST), 0.0)
+            lse = tl.log(tl.sum(acc, axis=0))
+            tl.store(loss_ptr + row, w_total * lse - w_picked)
+            # every warp has read the slots' logits before any warp overwrites the row
+            tl.debug_barrier()
+            # pass 2: W p_j dz'/dz everywhere, in place
+            lse2 = lse * _LOG2E_C
+            grad_scale = w_total * _DCAP
+            for start in range(0, V_FULL, BLOCK_V):
+                _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST)
+            if V_FULL < V:
+                _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST)
+            # fix-up of the target columns, after every warp's pass-2 stores: subtract the weights
+            # of all slots naming the column (duplicates add up; equal columns get equal values)
+            tl.debug_barrier()
+            sub = tl.sum(tl.where(pos[:, None] == pos[None, :], w[None, :], 0.0), axis=1)  # [NS]
+            p_slot = _softmax_exp2(s_slot * _EXP_MUL - lse2, FMA2, FAST)
+            dz_slot = (w_total * p_slot - sub) * (_DCAP * s_slot * (1.0 - s_slot))
+            tl.store(row_ptr + pos, dz_slot.to(z_ptr.dtype.element_ty), mask=slot <= N)
+
+
+def interpreted() -> bool:
+    """Whether the kernel runs in the Triton interpreter: TRITON_INTERPRET=1 was set before triton
+    was imported (the only way CPU tensors can run it)."""
+    return isinstance(_softcap_ce_rows, InterpretedFunction)
+
+
+def _num_programs(device: torch.device, num_rows: int, programs_per_sm: int) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(num_rows, sms * programs_per_sm))
+
+
+def _check_inputs(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_weight: Tensor,
+                  prefix_targets: Tensor) -> None:
+    """ValueError naming the argument for every input the kernel cannot take (shapes, dtypes,
+    devices; runs on fake tensors at trace time, so it costs nothing per step)."""
+    where = "linear_softcap_ce"
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"{where}: needs x [T, D] and w [D, V], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.dtype not in DTYPES:
+        raise ValueError(f"{where}: x and w need one dtype of {DTYPES} (the logit gradient is stored in "
+                         f"it), got {x.dtype} and {w.dtype}; cast the lm head and its input")
+    t = x.shape[0]
+    if t == 0 or w.shape[1] == 0:
+        raise ValueError(f"{where}: empty input, x {tuple(x.shape)}, w {tuple(w.shape)}")
+    for name, ids in (("targets", targets), ("prefix_targets", prefix_targets)):
+        if ids.dtype != torch.int64 or tuple(ids.shape) != (t,):
+            raise ValueError(f"{where}: {name} needs int64 [T={t}], got {ids.dtype} {tuple(ids.shape)}")
+    if mtp_weights.dtype != torch.float32 or mtp_weights.dim() != 1 or mtp_weights.shape[0] < 1:
+        raise ValueError(f"{where}: mtp_weights needs float32 [N >= 1], got {mtp_weights.dtype} "
+                         f"{tuple(mtp_weights.shape)}")
+    if prefix_weight.dtype != torch.float32 or prefix_weight.dim() != 0:
+        raise ValueError(f"{where}: prefix_weight needs a float32 0-d tensor, got {prefix_weight.dtype} "
+                         f"{tuple(prefix_weight.shape)}")
+    devices = {a.device for a in (x, w, targets, mtp_weights, prefix_weight, prefix_targets)}
+    if len(devices) != 1:
+        raise ValueError(f"{where}: all inputs on one device, got {sorted(map(str, devices))}")
+    if x.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{where}: runs on CUDA (or the CPU through the Triton interpreter), got {x.device}")
+
+
+def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_weight: Tensor,
+                     prefix_targets: Tensor, launch: LaunchConfig) -> Tensor:
+    """The kernel alone: per-token loss float32 [T] of the logits z [T, V] (contiguous, bf16 or
+    float32), and z overwritten IN PLACE with dloss/dz for a unit upstream gradient. The op's
+    forward after its GEMM; bench/loss_kernel.py times it on its own."""
+    (t, v), n = z.shape, mtp_weights.shape[0]
+    cuda = z.device.type == "cuda"
+    if not cuda and not interpreted():
+        raise ValueError("linear_softcap_ce: CPU tensors run only in the Triton interpreter: set "
+                         "TRITON_INTERPRET=1 before triton is imported (tests/softcap_ce_cases.py, "
+                         "bench/loss_kernel.py --smoke do); otherwise use model/loss.py's torch path")
+    if not z.is_contiguous():
+        raise ValueError(f"softcap_ce_rows_: z needs to be contiguous, got strides {z.stride()}")
+    loss = torch.empty(t, dtype=torch.float32, device=z.device)  # [T]
+    num_programs = _num_programs(z.device, t, launch.programs_per_sm)
+    with torch.cuda.device(z.device) if cuda else contextlib.nullcontext():
+        _softcap_ce_rows[(num_programs,)](z, targets.contiguous(), prefix_targets.contiguous(),
+                                          mtp_weights.contiguous(), prefix_weight, loss, t, V=v,
+                                          ROWS_PER_PROGRAM=triton.cdiv(t, num_programs),
+                                          N=n, NS=triton.next_power_of_2(n + 1),
+                                          BLOCK_V=launch.block_v, FMA1=launch.fma_exp_passes >= 2,
+                                          FMA2=launch.fma_exp_passes >= 1,
+                                          FAST=launch.fast_math and cuda,
+                                          num_warps=launch.num_warps)
+    return loss
+
+
+@torch.library.custom_op("t1s::linear_softcap_ce", mutates_args=())
+def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
+                         prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
+                         programs_per_sm: int, fast_math: bool,
+                         fma_exp_passes: int) -> tuple[Tensor, Tensor]:
+    """(loss float32 [T], dz [T, V] in x's dtype): the forward of linear_softcap_ce (module
+    docstring). dz is dloss/dz for a unit upstream gradient, written over the logits."""
+    _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
+    z = torch.mm(x, w)  # [T, V]; overwritten with dz by the kernel
+    loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
+                            LaunchConfig(block_v=block_v, num_warps=num_warps,
+                                         programs_per_sm=programs_per_sm, fast_math=fast_math,
+                                         fma_exp_passes=fma_exp_passes))
+    return loss, z
+
+
+@linear_softcap_ce_op.register_fake
+def _linear_softcap_ce_fake(x, w, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
+                            num_warps, programs_per_sm, fast_math, fma_exp_passes):
+    _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
+    return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], w.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, w = inputs[0], inputs[1]
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(x, w, output[1])
+
+
+def _backward(ctx, g_loss: Tensor, _g_dz: Tensor):
+    x, w, dz = ctx.saved_tensors  # [T, D], [D, V], [T, V]
+    g = g_loss.float()[:, None]  # [T, 1]
+    dx = (torch.mm(dz, w.t()) * g).to(x.dtype) if ctx.needs_input_grad[0] else None  # [T, D]
+    dw = torch.mm((x * g).to(x.dtype).t(), dz) if ctx.needs_input_grad[1] else None  # [D, V]
+    return dx, dw, None, None, None, None, None, None, None, None, None
+
+
+linear_softcap_ce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_softcap_ce(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
+                      prefix_weight: Tensor, prefix_targets: Tensor, *,
+                      launch: LaunchConfig = DEFAULT_LAUNCH) -> Tensor:
+    """Per-token training loss float32 [T] of softcap(x @ w), differentiable in x and w; equal to
+    model/loss.py's `training_loss(softcap(x @ w), targets, mtp_weights, prefix_weight,
+    prefix_targets)` up to float32 rounding (and the bf16 rounding of the logit gradient).
+
+    x [T, D] and w [D, V] in one dtype (bf16 in training; float32 too), targets int64 [T] in
+    [0, V), mtp_weights float32 [N] (device tensor, N >= 1), prefix_weight float32 0-d (device
+    tensor), prefix_targets int64 [T] in [-1, V) (-1: no prefix term). ValueError for anything
+    else. Ids are not range-checked here (one out of range reads another row's logit): the batch's
+    token ids, of which targets are the shift, are checked in NgramTable.slots_for, and prefix ids
+    come from build_prefix_table."""
+    return linear_softcap_ce_op(x, w, targets, mtp_weights, prefix_weight, prefix_targets,
+                                launch.block_v, launch.num_warps, launch.programs_per_sm,
+                                launch.fast_math, launch.fma_exp_passes)[0]
