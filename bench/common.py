@@ -44,6 +44,10 @@ H200_DENSE_BF16_TFLOPS = 790.0  # issue's MFU denominator
 DOC_MEDIAN_TOKENS = 400  # lognormal(ln 400, 1.0): mean ~660 GPT-2 tokens, about FineWeb's
 DOC_SIGMA = 1.0
 SMOKE_VOCAB = 512
+# Synthetic batches use the record's per-key document capacities (facts 2.2: max_num_docs
+# {16384: 64, 32768: 96, 49152: 128}), the cu_seqlens lengths its kernels were measured with; the
+# trainer sizes its own from the data (trainer/preflight.py).
+RECORD_CU_SEQLENS_ROWS = {16384: 64, 32768: 96, 49152: 128}
 
 # --smoke: the speedrun's four stages (MTP, prefix and lr structure kept) at tiny shapes:
 # (tokens_per_rank, ws_short, ws_long, max_seq_len) per stage, one step each.
@@ -73,7 +77,8 @@ def key_specs(smoke: bool) -> dict[str, KeySpec]:
     stages = SMOKE_STAGES if smoke else SPEEDRUN_STAGES
     out = {}
     for i, s in enumerate(stages):
-        out[s.name] = KeySpec(name=s.name, tokens=s.tokens_per_rank, cu_seqlens_rows=s.cu_seqlens_rows,
+        rows = s.cu_seqlens_rows or RECORD_CU_SEQLENS_ROWS[s.tokens_per_rank]
+        out[s.name] = KeySpec(name=s.name, tokens=s.tokens_per_rank, cu_seqlens_rows=rows,
                               ws_short=s.ws_short, ws_long=s.ws_long, max_seq_len=s.max_seq_len,
                               mtp_weights=s.mtp_weights_start, prefix_weight=s.prefix_weight_start,
                               ws_long_chain=tuple(t.ws_long for t in stages[:i + 1]))

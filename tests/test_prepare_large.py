@@ -1,7 +1,7 @@
 """prepare --source embedded-large on tiny fake package trees written in tmp_path (no apt, no
 network): each source's extraction, joining to min_doc_chars, the build end to end (shards, BOS
 per document, validation = the embedded validation documents, per-source stats), determinism,
-idempotence, --force, the document-capacity check, and the fetch steps with stand-in apt-get /
+idempotence, --force, the documents-per-batch statistic, and the fetch steps with stand-in apt-get /
 dpkg-deb / pip programs (and the clear error where apt-get and dpkg-deb are missing).
 The `slow` test reads the real built corpus (data/embedded-large) and is skipped where it is not
 prepared. CPU only, a few seconds; run: pytest tests/test_prepare_large.py"""
@@ -23,8 +23,8 @@ import pytest
 from track_1_short import corpus_large as cl
 from track_1_short import prepare, tokenizer
 from track_1_short.data import BOS_ID, DataError, list_shards, read_shard
-from track_1_short.prepare_common import MANIFEST, speedrun_capacity, worst_case_docs_per_slice
-from track_1_short.schedule import SPEEDRUN_STAGES
+from track_1_short.data import worst_case_pieces
+from track_1_short.prepare_common import MANIFEST, speedrun_doc_counts
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_CHARS = 300
@@ -140,6 +140,10 @@ def _build(out: Path, package_dir: Path, min_chars: int = MIN_CHARS, force: bool
                             fake_embedded, force)
 
 
+def _train_tokens(out: Path) -> np.ndarray:
+    return np.concatenate([read_shard(p).numpy() for p in list_shards(out, "train")])
+
+
 def _decoded_docs(out: Path, split: str) -> list[str]:
     tokens = np.concatenate([read_shard(p).numpy() for p in list_shards(out, split)])
     starts = np.flatnonzero(tokens == BOS_ID)
@@ -222,24 +226,31 @@ def test_rebuild_with_smaller_shards_and_settings_change(tmp_path):
     assert read_shard(list_shards(out, "train")[0]).numel() == sum(sizes)
 
 
-def test_capacity_check_refuses_short_documents(tmp_path):
+def test_short_documents_are_recorded_not_refused(tmp_path):
+    """~15-token fortunes as their own documents: built (the trainer sizes its document capacity
+    from the data), and the stats say how many documents a micro-batch can then hold."""
     pkgs = make_packages(tmp_path / "pkgs")
     fortunes = pkgs / "trees" / PKG["fortunes"].stem
     shutil.rmtree(fortunes)
-    _fortunes(fortunes, count=3000)  # ~15-token fortunes, each its own document at min_doc_chars=1
-    with pytest.raises(DataError, match="too short for the speedrun keys.*stage A"):
-        _build(tmp_path / "out", pkgs, min_chars=1)
-    assert not (tmp_path / "out").exists(), "refused before anything is written"
+    _fortunes(fortunes, count=3000)  # each its own document at min_doc_chars=1
+    stats = _build(tmp_path / "out", pkgs, min_chars=1)
+    tokens = _train_tokens(tmp_path / "out")
+    lens = np.diff(np.append(np.flatnonzero(tokens == BOS_ID), tokens.size))
+    counts = stats["speedrun_docs_per_batch"]
+    assert counts == speedrun_doc_counts(lens) and counts["A"]["max_docs_per_batch"] > 63
 
 
-def test_worst_case_docs_per_slice_matches_brute_force():
+def test_worst_case_pieces_matches_brute_force():
     rng = np.random.default_rng(1)
     lens = rng.integers(5, 60, 300)
     for tokens, max_seq_len in ((100, 40), (257, 60), (1000, 10)):
-        clipped = np.sort(np.minimum(lens, max_seq_len))
-        k = next(i + 1 for i in range(lens.size) if clipped[:i + 1].sum() >= tokens + 1)
-        assert worst_case_docs_per_slice(lens, tokens, max_seq_len) == k
-    assert worst_case_docs_per_slice(np.array([3, 4]), 100, 50) is None
+        # a slice may span an epoch boundary: each document can appear in it twice
+        clipped = np.sort(np.tile(np.minimum(lens, max_seq_len), 2))
+        k = next(i + 1 for i in range(clipped.size) if clipped[:i + 1].sum() >= tokens + 1)
+        assert worst_case_pieces(lens, tokens, max_seq_len) == k
+    # a corpus shorter than one slice repeats (the slice spans epochs); the bound sorts the
+    # repeats: 16 threes then 4s up to 101 tokens, 30 pieces (an exact epoch order gives 29)
+    assert worst_case_pieces(np.array([3, 4]), 100, 50) == 30
 
 
 # ---------------------------------------------------------------- fetching
@@ -325,10 +336,9 @@ def test_without_apt_and_dpkg_exit_2_names_packages(tmp_path, monkeypatch, capsy
 # ---------------------------------------------------------------- the real corpus
 
 @pytest.mark.slow
-def test_built_corpus_fits_the_speedrun_keys():
-    """On data/embedded-large's shards: >= 20M tokens, and no micro-batch of any speedrun key can
-    hold more documents than its cu_seqlens capacity, over every document order (the shortest
-    documents first) and in file order (every window of the key's size)."""
+def test_built_corpus_is_large_and_its_stats_hold():
+    """On data/embedded-large's shards: >= 20M tokens, and the manifest's documents-per-batch
+    statistic equals the worst case recomputed from the shards' BOS positions."""
     out = REPO / "data" / "embedded-large"
     if not (out / MANIFEST).is_file():
         pytest.skip("data/embedded-large not prepared "
@@ -337,12 +347,8 @@ def test_built_corpus_fits_the_speedrun_keys():
     assert tokens.size >= 20_000_000
     starts = np.flatnonzero(tokens == BOS_ID)
     lens = np.diff(np.append(starts, tokens.size))
-    capacity = speedrun_capacity(lens)
-    for stage in SPEEDRUN_STAGES:
-        rows = stage.cu_seqlens_rows - 1
-        assert capacity[stage.name]["worst_case_docs"] <= rows, stage.name
-        ends = np.searchsorted(starts, starts + stage.tokens_per_rank + 1)  # docs starting in a window
-        assert (ends - np.arange(starts.size)).max() <= rows, stage.name
+    stats = json.loads((out / MANIFEST).read_text())["stats"]
+    assert stats["speedrun_docs_per_batch"] == speedrun_doc_counts(lens)
     embedded_val = REPO / "data" / "embedded" / "embedded_val_000000.bin"
     if embedded_val.is_file():
         val = read_shard(list_shards(out, "val")[0]).numpy()

@@ -43,7 +43,8 @@ class DataConfig:
     slices_per_step: int = 8  # global batch = this many per-rank slices (the speedrun's 8 ranks)
     val_tokens: int = 10_485_760  # validation uses at most this many tokens (FineWeb: the first 10.49M)
     val_tokens_per_batch: int = 32_768  # per rank per eval forward
-    val_cu_seqlens_rows: int = 512  # document capacity of a validation batch
+    # cu_seqlens length of a validation batch; None: sized from the validation tokens at start
+    val_cu_seqlens_rows: int | None = None
 
     def __post_init__(self):
         if self.slices_per_step < 1:
@@ -160,7 +161,7 @@ def _scaled_stages(steps: tuple[int, ...]) -> tuple[StageConfig, ...]:
 
 
 def _tiny_stages() -> tuple[StageConfig, ...]:
-    common = dict(cu_seqlens_rows=8, prefix_weight_end=0.0, mtp_weights_end=(1.0, 0.0))
+    common = dict(prefix_weight_end=0.0, mtp_weights_end=(1.0, 0.0))
     return (
         StageConfig(name="A", num_steps=120, tokens_per_rank=512, ws_short=128, ws_long=256,
                     max_seq_len=256, mtp_weights_start=(1.0, 0.5), prefix_weight_start=0.25,
@@ -196,7 +197,7 @@ def preset(name: str) -> RunConfig:
                                            momentum_cooldown_steps=20),
                          graphs=StepGraphsConfig(mode="off"),
                          data=DataConfig(slices_per_step=1, val_tokens=16_384,
-                                         val_tokens_per_batch=2048, val_cu_seqlens_rows=16),
+                                         val_tokens_per_batch=2048),
                          train=TrainConfig(compile=False, device="cpu", log_every=10))
     raise ValueError(f"unknown preset {name!r}: one of {PRESETS}")
 
@@ -261,6 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--val-tokens-per-batch", type=_int_at_least(128),
         help=f"validation tokens per rank per forward "
              f"({_by_preset(lambda c: c.data.val_tokens_per_batch)})")
+    add("--doc-capacity", type=_int_at_least(1),
+        help="most documents in one micro-batch of any stage and in one validation batch (the "
+             "graphs bake it); default: sized from the data at start (the most any batch of the "
+             "stage can hold in these shards), logged")
     add("--save-every", type=_int_at_least(0),
         help="checkpoint every N steps, a multiple of 2 (the Adam / n-gram cadence); default 0: "
              "only the final checkpoint")
@@ -326,6 +331,11 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.schedule, "val_every_steps", args.val_every)
     _set(cfg.model, "attention_backend", args.attention)
     _set(cfg.model.fp8, "enabled", args.fp8)
+    if args.doc_capacity is not None:  # cu_seqlens rows: one per document, plus the leading 0
+        rows = args.doc_capacity + 1
+        cfg.schedule.stages = tuple(dataclasses.replace(s, cu_seqlens_rows=rows)
+                                    for s in cfg.schedule.stages)
+        cfg.data.val_cu_seqlens_rows = rows
     for flag, obj, name in ((args.warmup_only, cfg.train, "warmup_only"),
                             (args.deterministic, cfg.train, "deterministic"),
                             (args.overwrite, cfg.train, "overwrite")):

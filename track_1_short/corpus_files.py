@@ -27,11 +27,10 @@ Idempotence (prepare_common): the manifest's settings hold this config and every
 resolved path, size and mtime, so re-running with the same files does nothing and a changed,
 added or removed file rebuilds.
 
-Document lengths: the speedrun keys hold at most 63/95/127 documents per 16,384/32,768/49,152-token
-micro-batch (schedule.SPEEDRUN_STAGES cu_seqlens_rows - 1). The stats record the worst case of
-this corpus per stage (prepare_common.speedrun_capacity) and a corpus of short documents gets a
-note on stderr: the trainer would stop with a cu_seqlens capacity error at that stage. Nothing
-here joins or splits the user's documents.
+Document lengths: nothing here joins or splits the user's documents. The stats record the most
+documents one speedrun micro-batch of this corpus can hold per stage
+(prepare_common.speedrun_doc_counts); the trainer sizes its per-key document capacity from the
+data, so a corpus of short documents trains as it is.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ from tqdm import tqdm
 
 from track_1_short.data import DataError
 from track_1_short.prepare_common import (DEFAULT_SHARD_TOKENS, DEFAULT_VAL_SEED, ShardWriter,
-                                          capacity_exceeded, complete_stats, encode_batch,
-                                          speedrun_capacity, start_build, write_manifest)
+                                          complete_stats, encode_batch,
+                                          speedrun_doc_counts, start_build, write_manifest)
 
 PREFIX = "files"
 DEFAULT_TEXT_FIELD = "text"
@@ -316,16 +315,11 @@ def prepare_files(out_dir: Path, cfg: FilesCorpusConfig, force: bool = False) ->
               scan(val, cfg.text_field, "--val-input") if val else 0)
     start_build(out_dir, PREFIX)
     train_w, val_w = _write(out_dir, cfg, train, val, counts)
-    capacity = speedrun_capacity(np.asarray(train_w.doc_lens))
     stats = {"files": len(train) + len(val), **train_w.stats(), **val_w.stats(),
-             "min_doc_tokens": int(min(train_w.doc_lens)), "speedrun_capacity": capacity,
+             "min_doc_tokens": int(min(train_w.doc_lens)),
+             "speedrun_docs_per_batch": speedrun_doc_counts(np.asarray(train_w.doc_lens)),
              "build_s": round(time.perf_counter() - t0, 1)}
     write_manifest(out_dir, settings, {**train_w.shards, **val_w.shards}, stats)
     print(f"prepare: wrote {out_dir}: {train_w.num_tokens:,} train tokens in {len(train_w.doc_lens):,} "
           f"documents, {val_w.num_tokens:,} val tokens in {len(val_w.doc_lens):,} documents")
-    if over := capacity_exceeded(capacity):
-        print("prepare: note: this corpus has documents too short for the speedrun preset's "
-              "per-key document capacity (" + "; ".join(over) + "); training that preset on it "
-              "stops with a cu_seqlens capacity error. Join short documents into longer ones.",
-              file=sys.stderr)
     return stats

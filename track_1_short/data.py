@@ -141,16 +141,19 @@ def list_shards(data_dir: str | os.PathLike, split: str) -> list[Path]:
 
 @dataclass(slots=True, frozen=True)
 class ShardStats:
-    """What check_shards found: token counts per split and the shards checked."""
+    """What check_shards found: token counts per split, the training documents' lengths (what
+    the packing sees: from each BOS to the next) and the shards checked."""
 
     train_tokens: int
     val_tokens: int
+    train_doc_lens: np.ndarray  # int64 [num_docs]
     shards: tuple[Path, ...]
 
 
-def check_shard(path: Path, vocab_size: int = GPT2_VOCAB) -> int:
+def check_shard(path: Path, vocab_size: int = GPT2_VOCAB) -> np.ndarray:
     """Header, size, token range and BOS of one shard without reading it into memory (a memmap and
-    two vectorised passes); returns its token count. DataError names the file and the fix."""
+    two vectorised passes); returns its documents' lengths (from each BOS to the next or the end;
+    tokens before the first BOS belong to no document). DataError names the file and the fix."""
     count = read_header(path)
     if count == 0:
         raise DataError(f"{path}: an empty shard (0 tokens); delete it and {PREPARE_HINT}")
@@ -159,20 +162,56 @@ def check_shard(path: Path, vocab_size: int = GPT2_VOCAB) -> int:
     if top >= vocab_size:
         raise DataError(f"{path}: token id {top} >= vocab size {vocab_size}; the shard was not "
                         f"written with the GPT-2 tokenizer or is damaged. Re-prepare it ({PREPARE_HINT})")
-    if not (tokens == BOS_ID).any():
+    starts = np.flatnonzero(tokens == BOS_ID)
+    if starts.size == 0:
         raise DataError(f"{path}: no BOS ({BOS_ID}) token: documents must each start with BOS; "
                         f"re-prepare it ({PREPARE_HINT})")
-    return count
+    return np.diff(np.append(starts, count))
 
 
 def check_shards(data_dir: str | os.PathLike, vocab_size: int = GPT2_VOCAB) -> ShardStats:
     """check_shard on every train and val shard of a data dir, before a run starts."""
-    counts = {}
-    for split in ("train", "val"):
-        counts[split] = [(p, check_shard(p, vocab_size)) for p in list_shards(data_dir, split)]
-    return ShardStats(train_tokens=sum(c for _, c in counts["train"]),
-                      val_tokens=sum(c for _, c in counts["val"]),
-                      shards=tuple(p for split in counts.values() for p, _ in split))
+    lens = {split: [(p, check_shard(p, vocab_size)) for p in list_shards(data_dir, split)]
+            for split in ("train", "val")}
+    return ShardStats(train_tokens=sum(read_header(p) for p, _ in lens["train"]),
+                      val_tokens=sum(read_header(p) for p, _ in lens["val"]),
+                      train_doc_lens=np.concatenate([d for _, d in lens["train"]]),
+                      shards=tuple(p for split in lens.values() for p, _ in split))
+
+
+# ---------------------------------------------------------------- document capacity
+
+CAPACITY_ROUND = 8  # cu_seqlens lengths are rounded up to a multiple of this
+
+
+def worst_case_pieces(doc_lens: np.ndarray, tokens: int, max_seq_len: int) -> int:
+    """The most document pieces one training slice (tokens + 1 tokens) can take over every
+    document order: the count of the shortest documents, each cut to max_seq_len, that together
+    fill it. The stream cycles over the corpus, so a slice can span an epoch boundary and hold a
+    document twice (more often when the corpus is shorter than a slice): the documents are
+    counted once per epoch the slice can touch."""
+    lens = np.minimum(np.asarray(doc_lens, dtype=np.int64), max_seq_len)
+    if lens.size == 0 or lens.sum() == 0:
+        raise DataError("no training documents: every shard is empty of BOS-started documents")
+    repeats = -(-(tokens + 1) // int(lens.sum())) + 1
+    filled = np.cumsum(np.sort(np.tile(lens, repeats)))
+    return int(np.searchsorted(filled, tokens + 1)) + 1
+
+
+def max_val_pieces(tokens: np.ndarray, tokens_per_batch: int) -> int:
+    """The most document pieces of any validation slice (val_batches' contiguous slices: one
+    piece, plus one more per BOS after the slice's first token)."""
+    T = tokens_per_batch
+    num = num_val_slices(tokens.size, T)
+    bos = np.flatnonzero(tokens[:num * T] == BOS_ID)
+    per_slice = np.bincount(bos[bos % T != 0] // T, minlength=num)
+    return int(per_slice.max()) + 1
+
+
+def capacity_rows(pieces: int) -> int:
+    """cu_seqlens length for at most `pieces` documents (0, one end per piece; padded rows are
+    zero-length documents), rounded up so a slightly different corpus keeps the same key."""
+    return -(-(pieces + 1) // CAPACITY_ROUND) * CAPACITY_ROUND
 
 
 # ---------------------------------------------------------------- training stream
@@ -260,8 +299,8 @@ class TrainStream:
                 raise DataError(
                     f"slice {self.pos.slices}: a batch of {shape.tokens} tokens needs more than "
                     f"{shape.cu_seqlens_rows - 1} documents, the capacity of this key's "
-                    f"cu_seqlens ({shape.cu_seqlens_rows} rows); raise cu_seqlens_rows for this "
-                    f"stage or use a corpus with longer documents")
+                    f"cu_seqlens ({shape.cu_seqlens_rows} rows); raise --doc-capacity or drop it "
+                    f"(the trainer then sizes it from the data)")
             if out_tokens is not None:
                 out_tokens[filled:filled + take] = tokens[starts[d]:starts[d] + take]
                 out_cu[pieces] = filled
@@ -459,7 +498,7 @@ def val_batches(tokens: np.ndarray, tokens_per_batch: int, cu_seqlens_rows: int,
         starts = starts[starts > 0]
         if starts.size + 2 > cu_seqlens_rows:
             raise DataError(f"validation slice {i} has {starts.size + 1} documents, more than the "
-                            f"val cu_seqlens capacity {cu_seqlens_rows - 1}; raise val_cu_seqlens_rows")
+                            f"val cu_seqlens capacity {cu_seqlens_rows - 1}; raise --doc-capacity or drop it")
         cu = np.full(cu_seqlens_rows, T, dtype=np.int32)
         cu[0] = 0
         cu[1:1 + starts.size] = starts

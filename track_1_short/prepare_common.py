@@ -1,5 +1,5 @@
 """What every prepare source shares: the manifest (completeness and idempotence), the streaming
-shard writer, GPT-2 tokenization of documents, and the speedrun keys' document-capacity check.
+shard writer, GPT-2 tokenization of documents, and the corpus's documents-per-batch statistic.
 
 What it replaces: the manifest helpers and the tokenize loop that prepare.py held for its two
 sources; the `files` (corpus_files.py) and `embedded-large` (corpus_large.py) sources use the same
@@ -15,10 +15,11 @@ code, so every source has the same guarantees:
   shards of at most `shard_tokens` tokens (one document longer than that gets a shard of its own:
   a shard never splits a document, since data.TrainStream reads documents from BOS positions).
 
-Document capacity (schedule.SPEEDRUN_STAGES): a micro-batch of T tokens packs whole-document
-pieces, each cut to the stage's max_seq_len, and holds at most cu_seqlens_rows - 1 of them. Over
-every document order the most pieces a slice can need is the count of the shortest documents
-that together fill T + 1 tokens (`worst_case_docs_per_slice`).
+Documents per batch (schedule.SPEEDRUN_STAGES): a micro-batch of T tokens packs whole-document
+pieces, each cut to the stage's max_seq_len; over every document order the most pieces a slice can
+hold is the count of the shortest documents that together fill T + 1 tokens
+(data.worst_case_pieces). The stats record it per stage; the trainer sizes each key's capacity
+from it at start, so no corpus is refused for short documents.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from track_1_short import tokenizer
-from track_1_short.data import BOS_ID, DataError, read_header, write_shard
+from track_1_short.data import BOS_ID, DataError, read_header, worst_case_pieces, write_shard
 from track_1_short.schedule import SPEEDRUN_STAGES
 
 MANIFEST = "manifest.json"
@@ -191,30 +192,13 @@ class ShardWriter:
                 f"{self.split}_shards": shards}
 
 
-# ---------------------------------------------------------------- document capacity
+# ---------------------------------------------------------------- documents per batch
 
-def worst_case_docs_per_slice(doc_lens: np.ndarray, tokens: int, max_seq_len: int) -> int | None:
-    """Most document pieces one slice of tokens + 1 can take, over every document order: the
-    count of the shortest documents (each cut to max_seq_len) that together fill it. None when
-    the whole corpus is shorter than one slice (a slice then spans epochs)."""
-    filled = np.cumsum(np.sort(np.minimum(np.asarray(doc_lens, dtype=np.int64), max_seq_len)))
-    if filled.size == 0 or filled[-1] < tokens + 1:
-        return None
-    return int(np.searchsorted(filled, tokens + 1)) + 1
-
-
-def speedrun_capacity(doc_lens: np.ndarray) -> dict[str, dict]:
-    """Per speedrun stage: its document capacity and the worst case of this corpus."""
+def speedrun_doc_counts(doc_lens: np.ndarray) -> dict[str, dict]:
+    """Per speedrun stage: the most documents one micro-batch of this corpus can hold over every
+    document order (data.worst_case_pieces), a statistic of the corpus: the trainer sizes each
+    key's document capacity from the data it trains on (trainer/preflight.py)."""
     return {s.name: {"tokens": s.tokens_per_rank, "max_seq_len": s.max_seq_len,
-                     "capacity": s.cu_seqlens_rows - 1,
-                     "worst_case_docs": worst_case_docs_per_slice(doc_lens, s.tokens_per_rank,
-                                                                  s.max_seq_len)}
+                     "max_docs_per_batch": worst_case_pieces(doc_lens, s.tokens_per_rank,
+                                                             s.max_seq_len)}
             for s in SPEEDRUN_STAGES}
-
-
-def capacity_exceeded(capacity: dict[str, dict]) -> list[str]:
-    """A line per speedrun stage whose document capacity this corpus can exceed."""
-    return [f"stage {name}: up to {c['worst_case_docs']} documents per {c['tokens']:,}-token "
-            f"micro-batch, capacity {c['capacity']}"
-            for name, c in capacity.items()
-            if c["worst_case_docs"] is not None and c["worst_case_docs"] > c["capacity"]]

@@ -47,7 +47,10 @@ class StageConfig:
     ws_short: int  # short sliding window, tokens (multiple of BLOCK_TOKENS)
     ws_long: int  # long sliding window, tokens (multiple of BLOCK_TOKENS); YaRN follows it
     max_seq_len: int  # documents are truncated to this many tokens
-    cu_seqlens_rows: int  # fixed length of Batch.cum_seqlens for this stage (padded)
+    # fixed length of Batch.cum_seqlens for this stage (padded with zero-length documents); None:
+    # sized from the data at start (trainer/preflight.py: the most documents any micro-batch of
+    # the stage can hold in the run's shards), so it is an int in every schedule a run builds
+    cu_seqlens_rows: int | None = None
     mtp_weights_start: tuple[float, ...]  # multi-token-prediction weights at the stage's first step
     mtp_weights_end: tuple[float, ...]  # ... and (linearly interpolated) after its last step
     prefix_weight_start: float
@@ -70,7 +73,7 @@ class StageConfig:
         if self.max_seq_len <= 0 or self.max_seq_len > self.tokens_per_rank:
             raise ValueError(f"stage {self.name}: max_seq_len={self.max_seq_len} must be in "
                              f"(0, tokens_per_rank={self.tokens_per_rank}]")
-        if self.cu_seqlens_rows < 2:
+        if self.cu_seqlens_rows is not None and self.cu_seqlens_rows < 2:
             raise ValueError(f"stage {self.name}: cu_seqlens_rows must be >= 2 (one document)")
         if not self.mtp_weights_start or len(self.mtp_weights_start) != len(self.mtp_weights_end):
             raise ValueError(f"stage {self.name}: mtp_weights_start and mtp_weights_end must be "
@@ -82,19 +85,19 @@ class StageConfig:
 
 SPEEDRUN_STAGES = (
     StageConfig(name="A", num_steps=423, tokens_per_rank=16384, ws_short=128, ws_long=384,
-                max_seq_len=896, cu_seqlens_rows=64, mtp_weights_start=(1.0, 0.5, 0.25),
+                max_seq_len=896, mtp_weights_start=(1.0, 0.5, 0.25),
                 mtp_weights_end=(1.0, 0.5, 0.0), prefix_weight_start=0.25, prefix_weight_end=0.25,
                 lr_mul=1.0),
     StageConfig(name="B", num_steps=424, tokens_per_rank=32768, ws_short=384, ws_long=896,
-                max_seq_len=2048, cu_seqlens_rows=96, mtp_weights_start=(1.0, 0.5),
+                max_seq_len=2048, mtp_weights_start=(1.0, 0.5),
                 mtp_weights_end=(1.0, 0.0), prefix_weight_start=0.25, prefix_weight_end=0.0,
                 lr_mul=1.52),
     StageConfig(name="C", num_steps=423, tokens_per_rank=49152, ws_short=640, ws_long=1408,
-                max_seq_len=2048, cu_seqlens_rows=128, mtp_weights_start=(1.0,),
+                max_seq_len=2048, mtp_weights_start=(1.0,),
                 mtp_weights_end=(1.0,), prefix_weight_start=0.0, prefix_weight_end=0.0, lr_mul=1.73),
     # lr_mul is unused in an extension stage (its lr is final_lr_mul); 1.0 keeps validation simple.
     StageConfig(name="D", num_steps=15, tokens_per_rank=49152, ws_short=768, ws_long=1664,
-                max_seq_len=2048, cu_seqlens_rows=128, mtp_weights_start=(1.0,),
+                max_seq_len=2048, mtp_weights_start=(1.0,),
                 mtp_weights_end=(1.0,), prefix_weight_start=0.0, prefix_weight_end=0.0, lr_mul=1.0,
                 extension=True),
 )

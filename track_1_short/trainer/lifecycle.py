@@ -37,7 +37,8 @@ from track_1_short.trainer import checkpoint
 from track_1_short.trainer.build import build_run, make_loader, make_spec
 from track_1_short.trainer.checkpoint import CheckpointError
 from track_1_short.trainer.phases import timed_run, validate, warmup_and_capture
-from track_1_short.trainer.preflight import Preflight, PreflightError, check_device, preflight
+from track_1_short.trainer.preflight import (Preflight, PreflightError, check_device,
+                                             describe_capacity, preflight)
 from track_1_short.trainer.run_dir import RunDir, RunDirError, claim_run_dir, truncate_metrics
 from track_1_short.trainer.snapshot import restore_state, snapshot_state
 from track_1_short.trainer.state import Run
@@ -215,6 +216,9 @@ def _train(cfg: RunConfig, graph_backend) -> int:
     try:
         with stop:
             pre = preflight(cfg, ctx)
+            cfg = pre.cfg  # document capacities resolved from the data
+            if ctx.is_main:
+                print(describe_capacity(pre.capacity), flush=True)
             handle = _claim(cfg, ctx, pre)
             return _run_phases(cfg, ctx, pre, stop, graph_backend, started)
     except StoppedBeforeTraining:

@@ -14,7 +14,11 @@ default run id is rank 0's, broadcast). Nothing here writes: the run dir is clai
 
 Checks: the device; every train and val shard's header, size, token range and BOS (data.check_shards,
 a vectorised pass over a memmap: ~0.1 s per 100M-token shard); the validation set holds at least
-one batch per rank; `--resume` (a checkpoint folder or a run dir: validated whole, saved on this
+one batch per rank; the document capacity of each stage's micro-batches and of a validation batch
+(the cu_seqlens length its graphs bake): where the config leaves it None (every preset), the most
+documents any batch of that length can hold in these shards (over every document order: the
+shortest documents, each cut to max_seq_len; validation: its fixed slices), rounded up
+(data.capacity_rows); a set one (--doc-capacity) must hold that many; `--resume` (a checkpoint folder or a run dir: validated whole, saved on this
 world size with this global batch); where the run dir is (a resumed run continues in its
 checkpoint's run dir unless `--run-id` names another). Whether an existing run dir may be used
 is decided once, on rank 0, when it is claimed.
@@ -22,6 +26,7 @@ is decided once, on rank 0, when it is claimed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from track_1_short.config import RunConfig
-from track_1_short.data import DataError, ShardStats, check_shards, num_val_slices
+from track_1_short.data import (DataError, ShardStats, capacity_rows, check_shards, load_val_tokens,
+                                max_val_pieces, num_val_slices, worst_case_pieces)
 from track_1_short.distributed import DistributedContext
 from track_1_short.schedule import Schedule
 from track_1_short.trainer.checkpoint import CheckpointError, CheckpointInfo, resolve_resume
@@ -42,12 +48,15 @@ class PreflightError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class Preflight:
-    """What the checks found: where the run goes and what it resumes from."""
+    """What the checks found: the resolved config (document capacities sized from the data),
+    where the run goes and what it resumes from."""
 
+    cfg: RunConfig  # the caller's config with every None capacity resolved (a new object)
     run_dir: Path
     resume: CheckpointInfo | None
     resume_in_place: bool  # the run continues in the run dir that holds its checkpoint
     shards: ShardStats
+    capacity: dict[str, dict]  # per stage and "val": {"max_docs", "rows", "from_data"}
 
 
 def check_device(cfg: RunConfig) -> None:
@@ -85,6 +94,46 @@ def _check_steps(cfg: RunConfig, start_step: int) -> None:
     if window is not None and not start_step <= window[0] < window[1] <= num_steps:
         raise PreflightError(f"--profile-steps {window[0]}:{window[1]}: outside this run's timed "
                              f"steps [{start_step}, {num_steps}); pick a window inside them")
+
+
+def _stage_capacity(stage, doc_lens) -> dict:
+    worst = worst_case_pieces(doc_lens, stage.tokens_per_rank, stage.max_seq_len)
+    if stage.cu_seqlens_rows is None:
+        return {"max_docs": worst, "rows": capacity_rows(worst), "from_data": True}
+    if stage.cu_seqlens_rows - 1 < worst:
+        raise DataError(f"stage {stage.name}: up to {worst} documents fit in one "
+                        f"{stage.tokens_per_rank}-token micro-batch of these shards (the shortest "
+                        f"documents, each cut to {stage.max_seq_len} tokens), more than its "
+                        f"capacity {stage.cu_seqlens_rows - 1}; raise --doc-capacity to {worst} or "
+                        f"drop it (the capacity is then sized from the data)")
+    return {"max_docs": worst, "rows": stage.cu_seqlens_rows, "from_data": False}
+
+
+def _resolve_capacity(cfg: RunConfig, shards: ShardStats) -> tuple[RunConfig, dict[str, dict]]:
+    """Document capacity per stage and for validation (the cu_seqlens lengths the graphs bake):
+    from the data where the config leaves it None, checked against the data where it is set."""
+    capacity = {s.name: _stage_capacity(s, shards.train_doc_lens) for s in cfg.schedule.stages}
+    val = load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens)
+    worst = max_val_pieces(val, cfg.data.val_tokens_per_batch)
+    rows = cfg.data.val_cu_seqlens_rows
+    if rows is not None and rows - 1 < worst:
+        raise DataError(f"validation: a {cfg.data.val_tokens_per_batch}-token batch of "
+                        f"{cfg.data.data_dir}'s val shards holds up to {worst} documents, more than "
+                        f"the capacity {rows - 1}; raise --doc-capacity to {worst} or drop it")
+    capacity["val"] = {"max_docs": worst, "rows": rows or capacity_rows(worst), "from_data": rows is None}
+    stages = tuple(dataclasses.replace(s, cu_seqlens_rows=capacity[s.name]["rows"])
+                   for s in cfg.schedule.stages)
+    resolved = dataclasses.replace(
+        cfg, schedule=dataclasses.replace(cfg.schedule, stages=stages),
+        data=dataclasses.replace(cfg.data, val_cu_seqlens_rows=capacity["val"]["rows"]))
+    return resolved, capacity
+
+
+def describe_capacity(capacity: dict[str, dict]) -> str:
+    """One log line: documents per batch (max in the data -> capacity) per stage and validation."""
+    parts = [f"{name} {c['max_docs']} -> {c['rows'] - 1}" + ("" if c["from_data"] else " (set)")
+             for name, c in capacity.items()]
+    return "document capacity per batch (most the data can put in one -> capacity): " + ", ".join(parts)
 
 
 def _check_resume(info: CheckpointInfo, cfg: RunConfig, world_size: int) -> None:
@@ -133,10 +182,12 @@ def preflight(cfg: RunConfig, ctx: DistributedContext) -> Preflight:
     """Every check of the module docstring; raises DataError, CheckpointError or PreflightError."""
     shards = check_shards(cfg.data.data_dir)
     _check_validation(cfg, shards, ctx.world_size)
+    cfg, capacity = _resolve_capacity(cfg, shards)
     resume = None
     if cfg.train.resume is not None:
         resume = resolve_resume(cfg.train.resume)
         _check_resume(resume, cfg, ctx.world_size)
     _check_steps(cfg, resume.steps_done if resume else 0)
     run_dir, in_place = _run_dir(cfg, ctx, resume)
-    return Preflight(run_dir=run_dir, resume=resume, resume_in_place=in_place, shards=shards)
+    return Preflight(cfg=cfg, run_dir=run_dir, resume=resume, resume_in_place=in_place,
+                     shards=shards, capacity=capacity)
