@@ -1,5 +1,5 @@
 """Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py, bench/optimizer.py and
-bench/loss_kernel.py, so they do not rot.
+bench/loss_kernel.py and bench/step.py, so they do not rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
 tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
@@ -106,6 +106,21 @@ def test_loss_kernel_bench_smoke(tmp_path):
         assert all(v["median_ms"] > 0 and v["n"] == 2 for v in row["variants"].values())
         fused, scale = row["errors"]["fused"], row["errors"]["loss_scale"]
         assert fused["loss_max_abs"] < 1e-5 * scale and max(fused["dx_rel"], fused["dw_rel"]) < 1e-2
+
+
+def test_step_bench_smoke(tmp_path):
+    """bench/step.py --smoke: the trainer's real step at one stage (cpu-tiny, eager, no
+    validation): per-step and per-phase times by parity, host issue time, no recompile."""
+    out = tmp_path / "step.json"
+    _run("step.py", "--stage", "B", "--steps", "2", "--graphs", "off",
+         "--data-dir", str(REPO / "data" / "embedded"), "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["complete"] and not data["errors"] and set(data["variants"]) == {"off"}
+    row = data["variants"]["off"]
+    assert row["stage"] == "B" and row["micro_steps"] == 1 and row["step_ms"]["n"] == 2
+    assert row["phases_ms"]["optimizer_even_ms"]["n"] == row["phases_ms"]["optimizer_odd_ms"]["n"] == 1
+    assert row["host_issue_ms"]["median_ms"] > 0 and row["host_syncs_per_step"] is None  # CPU
+    assert row["compiles"].get("timed", 0) == 0
 
 
 def test_flops_formula():

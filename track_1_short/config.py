@@ -41,6 +41,9 @@ class DataConfig:
     seed: int = 0  # document order per epoch
     shuffle: bool = True  # seeded document order per epoch (False: file order, like the record)
     slices_per_step: int = 8  # global batch = this many per-rank slices (the speedrun's 8 ranks)
+    # --micro-steps N: slices per rank per step; the global batch becomes N x world size slices
+    # (resolved at start, trainer/preflight.py). None: slices_per_step / world size
+    micro_steps: int | None = None
     val_tokens: int = 10_485_760  # validation uses at most this many tokens (FineWeb: the first 10.49M)
     val_tokens_per_batch: int = 32_768  # per rank per eval forward
     # cu_seqlens length of a validation batch; None: sized from the validation tokens at start
@@ -49,6 +52,8 @@ class DataConfig:
     def __post_init__(self):
         if self.slices_per_step < 1:
             raise ValueError(f"DataConfig.slices_per_step={self.slices_per_step} must be >= 1")
+        if self.micro_steps is not None and self.micro_steps < 1:
+            raise ValueError(f"--micro-steps {self.micro_steps}: must be >= 1")
         if self.val_tokens_per_batch < 128:
             raise ValueError(f"--val-tokens-per-batch {self.val_tokens_per_batch}: must be >= 128")
         if self.val_tokens < self.val_tokens_per_batch + 1:
@@ -76,6 +81,7 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 0  # checkpoint every N steps (0: only at the end when --save-final)
     save_final: bool = True
+    validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -262,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--val-tokens-per-batch", type=_int_at_least(128),
         help=f"validation tokens per rank per forward "
              f"({_by_preset(lambda c: c.data.val_tokens_per_batch)})")
+    add("--micro-steps", type=_int_at_least(1),
+        help="micro-steps per rank per step (default 8 / world size: the speedrun's global batch "
+             "on any GPU count); with another value the global batch is N x world size slices, "
+             "e.g. --micro-steps 1 on one GPU runs one rank's step of the 8-GPU run")
     add("--doc-capacity", type=_int_at_least(1),
         help="most documents in one micro-batch of any stage and in one validation batch (the "
              "graphs bake it); default: sized from the data at start (the most any batch of the "
@@ -314,6 +324,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.data, "seed", args.data_seed)
     _set(cfg.data, "val_tokens", args.val_tokens)
     _set(cfg.data, "val_tokens_per_batch", args.val_tokens_per_batch)
+    _set(cfg.data, "micro_steps", args.micro_steps)
     _set(cfg.graphs, "mode", args.graphs)
     _set(cfg.graphs, "check_fraction", args.check_fraction)
     _set(cfg.train, "compile", args.compile)

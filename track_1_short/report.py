@@ -74,13 +74,30 @@ def _by_stage(step_times: list[dict], field: str, default=None) -> dict[str, lis
     return out
 
 
-def stage_ms_per_step(step_times: list[dict]) -> dict[str, dict]:
-    """Median/mean/min/max ms per step for each stage, from [{"stage", "step_ms"}] of timed steps."""
+def _quantile(xs: list[float], q: float) -> float:
+    return statistics.quantiles(xs, n=10, method="inclusive")[round(q * 10) - 1] if len(xs) > 1 else xs[0]
+
+
+def stage_ms_per_step(step_times: list[dict], field: str = "step_ms") -> dict[str, dict]:
+    """Median/mean/min/max/p10/p90 ms per step for each stage, from [{"stage", field}] of timed
+    steps (field "step_ms": the device's step time; "host_ms": the host's time to issue it)."""
     out = {}
-    for stage, xs in _by_stage(step_times, "step_ms").items():
+    for stage, xs in _by_stage(step_times, field).items():
         steady = xs[1:] if len(xs) > 2 else xs  # a stage's first step carries its YaRN switch
         out[stage] = {"steps": len(xs), "median_ms": statistics.median(steady),
-                      "mean_ms": statistics.fmean(steady), "min_ms": min(steady), "max_ms": max(steady)}
+                      "mean_ms": statistics.fmean(steady), "min_ms": min(steady), "max_ms": max(steady),
+                      "p10_ms": _quantile(steady, 0.1), "p90_ms": _quantile(steady, 0.9)}
+    return out
+
+
+def stage_syncs_per_step(step_times: list[dict]) -> dict[str, dict]:
+    """Host syncs inside a timed step (trainer/timing.SyncCounter), per stage: mean and max; empty
+    where none were counted (CPU runs)."""
+    out = {}
+    for stage, xs in _by_stage(step_times, "syncs").items():
+        counted = [x for x in xs if x is not None]
+        if counted:
+            out[stage] = {"steps": len(counted), "mean": statistics.fmean(counted), "max": max(counted)}
     return out
 
 

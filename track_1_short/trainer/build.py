@@ -40,7 +40,7 @@ from track_1_short.schedule import Schedule, StepPlan
 from track_1_short.tokenizer import mergeable_ranks
 from track_1_short.trainer.state import Optimizer, Progress, Run, RunLog, RunSpec, StepParts
 from track_1_short.trainer.stop import GracefulStop
-from track_1_short.trainer.timing import StepTimer
+from track_1_short.trainer.timing import StepTimer, SyncCounter
 
 BF16_PARAMS = ("embed.weight", "lm_head", "qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight")
 # Every key and each validation window is a recompile of the same code; past dynamo's default
@@ -142,7 +142,8 @@ def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:
     # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
     cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, spec.micro_steps
     parts = prepare_model(build_model(cfg, ctx.device), spec, graph_backend)
-    log = RunLog(metrics=MetricsLog(spec.run_dir, enabled=ctx.is_main), timer=StepTimer(ctx.device))
+    log = RunLog(metrics=MetricsLog(spec.run_dir, enabled=ctx.is_main), timer=StepTimer(ctx.device),
+                 syncs=SyncCounter(ctx.device))
     return Run(spec=spec, parts=parts, progress=Progress(), log=log,
                val_tokens=load_val_tokens(cfg.data.data_dir, cfg.data.val_tokens), stop=stop)
 

@@ -101,7 +101,7 @@ def _claim(cfg: RunConfig, ctx: DistributedContext, pre: Preflight) -> RunDir | 
     return handle
 
 
-def _prepare(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: GracefulStop,
+def prepare_run(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: GracefulStop,
              graph_backend, started: float) -> Run:
     """Build, warm up + capture (or skip), reset, census, seal: everything before the timed run."""
     cache_log = compile_cache.load(cfg.train.compile_cache) if cfg.train.compile_cache else {}
@@ -159,7 +159,8 @@ def _finish(run: Run, start_step: int) -> int:
                      if path else "no checkpoint could be taken at this step")
             print(f"stopped by {stop.signal_name} after step {steps_done}: {where}", flush=True)
         return stop.exit_code
-    validate(run, spec.num_steps)
+    if spec.cfg.train.validation:
+        validate(run, spec.num_steps)
     if spec.cfg.train.save_final:
         checkpoint.save_run(spec, run.parts, progress, spec.num_steps)
     if spec.ctx.is_main:
@@ -187,7 +188,7 @@ def _report_lost_ranks(ctx: DistributedContext, error: RuntimeError, run_dir: Pa
 def _run_phases(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: GracefulStop,
                 graph_backend, started: float) -> int:
     """From the build to the exit code (the run dir is claimed)."""
-    run = _prepare(cfg, ctx, pre, stop, graph_backend, started)
+    run = prepare_run(cfg, ctx, pre, stop, graph_backend, started)
     try:
         if cfg.train.warmup_only:
             if ctx.is_main:

@@ -53,6 +53,8 @@ def validation_stages(spec: RunSpec) -> dict[int, set[tuple[int, int]]]:
     """Stage index -> validation windows of every validation the timed run makes, keyed by the
     stage whose YaRN state it runs in (the last stage also holds the final validation's)."""
     out: dict[int, set[tuple[int, int]]] = {}
+    if not spec.cfg.train.validation:
+        return out
     for step in [p.step for p in spec.plans if p.validate] + [spec.num_steps]:
         out.setdefault(_trained_at(spec, step).stage_index, set()).add(validation_windows(spec, step))
     return out
@@ -154,13 +156,13 @@ def timed_run(run: Run, start_step: int) -> None:
     clock.start()
     for step in bar:
         plan = spec.plans[step]
-        if plan.validate:
+        if plan.validate and spec.cfg.train.validation:
             with clock.paused():
                 validate(run, step)
         if profiler is not None:
             profiler.before(step)
         log.timer.start(step)
-        with counting_compiles(log.compiles, "timed"):
+        with counting_compiles(log.compiles, "timed"), log.syncs.count(step):
             loss_t = train_step(spec, run.parts, step, progress.loader, log.timer)
         log.timer.stop(step)
         tokens += spec.micro_steps * plan.tokens_per_rank  # per rank, since start_step

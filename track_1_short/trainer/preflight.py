@@ -180,6 +180,13 @@ def _run_dir(cfg: RunConfig, ctx: DistributedContext, resume: CheckpointInfo | N
 
 def preflight(cfg: RunConfig, ctx: DistributedContext) -> Preflight:
     """Every check of the module docstring; raises DataError, CheckpointError or PreflightError."""
+    if cfg.data.micro_steps is not None:  # --micro-steps: the global batch follows the ranks
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+            cfg.data, slices_per_step=cfg.data.micro_steps * ctx.world_size))
+    elif cfg.data.slices_per_step % ctx.world_size:
+        raise PreflightError(f"{ctx.world_size} ranks do not divide the global batch of "
+                             f"{cfg.data.slices_per_step} slices; run on 1, 2, 4 or 8 GPUs, or set "
+                             f"--micro-steps")
     shards = check_shards(cfg.data.data_dir)
     _check_validation(cfg, shards, ctx.world_size)
     cfg, capacity = _resolve_capacity(cfg, shards)

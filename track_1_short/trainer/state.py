@@ -12,7 +12,7 @@ The four parts, in the order they come to exist (trainer/lifecycle.py):
              step graphs bake their tensors, so nothing rebinds them afterwards.
   Progress   where the run stands: steps done, the train clock, the val curve, the loader, the
              last checkpoint. Advanced by the timed run; saved and restored by checkpoints.
-  RunLog     what the run reports: metrics, the step timer, compile counts, the profile.
+  RunLog     what the run reports: metrics, the step timer, host syncs, compile counts, the profile.
 `Run` holds the four (plus the validation tokens and the graceful-stop handle) for the phase
 functions that orchestrate all of them (warmup, timed run, finish); leaf functions (train_step,
 evaluate, checkpoints) take only the parts they use.
@@ -33,7 +33,7 @@ from track_1_short.config import RunConfig
 from track_1_short.distributed import DistributedContext
 from track_1_short.report import MetricsLog
 from track_1_short.schedule import Schedule, StepPlan
-from track_1_short.trainer.timing import StepTimer
+from track_1_short.trainer.timing import StepTimer, SyncCounter
 
 if TYPE_CHECKING:
     from track_1_short.model.gpt import GPT, ForwardScheduleConfig
@@ -104,6 +104,7 @@ class RunLog:
 
     metrics: MetricsLog
     timer: StepTimer
+    syncs: SyncCounter  # host syncs per timed step (CUDA)
     started: float = field(default_factory=time.perf_counter)  # process wall clock at the start
     warmup_s: float = 0.0
     profile: dict | None = None  # --profile-steps: the profiled window's kernel statistics

@@ -18,10 +18,12 @@ from track_1_short.trainer.state import Run
 
 
 def step_times(run: Run) -> list[dict]:
-    """[{stage, step, step_ms, phase_ms: {phase: ms}}] of every timed step."""
-    timer = run.log.timer
+    """[{stage, step, step_ms, host_ms, syncs, phase_ms: {phase: ms}}] of every timed step
+    (step_ms: device time; host_ms: host issue time; syncs: host syncs, None on CPU)."""
+    timer, syncs = run.log.timer, run.log.syncs.per_step
     ms = timer.resolve()
     return [{"stage": run.spec.plans[s].stage, "step": s, "step_ms": ms[s],
+             "host_ms": timer.host_ms.get(s), "syncs": syncs.get(s),
              "phase_ms": timer.phase_ms.get(s, {})} for s in sorted(ms)]
 
 
@@ -57,6 +59,10 @@ def summarize(run: Run, start_step: int, times: list[dict]) -> dict:
         "tokens_per_s_per_gpu": tokens / max(this_process_s, 1e-9),
         "ms_per_step_by_stage": report.stage_ms_per_step(times),
         "phase_ms_by_stage": report.stage_phase_ms(times),
+        # the host regime: how long the host took to issue a step (vs ms_per_step, the device's),
+        # and how often it waited for the device inside one
+        "host_issue_ms_by_stage": report.stage_ms_per_step(times, "host_ms"),
+        "host_syncs_per_step_by_stage": report.stage_syncs_per_step(times),
         "profile": run.log.profile,  # --profile-steps (those steps ran slower: profiler overhead)
         "val_curve": curve, "final_val_loss": curve[-1]["val_loss"] if curve else None,
         "epochs_seen": progress.loader.epoch if progress.loader else 0,
@@ -64,10 +70,12 @@ def summarize(run: Run, start_step: int, times: list[dict]) -> dict:
 
 
 def write_summary(run: Run, start_step: int) -> dict:
-    """summary.json and the plots (rank 0); returns the summary."""
+    """summary.json, steps.json (every timed step's times) and the plots (rank 0); returns the
+    summary."""
     times = step_times(run)
     summary = summarize(run, start_step, times)
     report.write_json_atomic(run.spec.run_dir / "summary.json", summary)
+    report.write_json_atomic(run.spec.run_dir / "steps.json", times)
     report.plot_run(run.spec.run_dir, run.log.metrics.records, times)
     return summary
 

@@ -1,4 +1,5 @@
-"""Time without host syncs: per-step and per-phase CUDA-event timing, compile counting, syncs.
+"""Time without host syncs: per-step and per-phase CUDA-event timing, host issue time, host syncs
+per step, the train clock, compile counting.
 
 StepTimer: the timed run's clock per step (DESIGN: the clock covers data, forward, backward and
 optimizer; validation and checkpoints stop it). Events are recorded at step boundaries and read
@@ -9,6 +10,7 @@ once after the run, so the host never waits on the device for them; on CPU the h
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -31,6 +33,10 @@ class StepTimer:
         self.pending: dict[int, list[tuple[str, object]]] = {}
         self.ms: dict[int, float] = {}
         self.phase_ms: dict[int, dict[str, float]] = {}
+        # host time from start() to stop(): how long the host took to issue the step (it includes
+        # any wait for the device, e.g. a host sync); below the step's device time = GPU-bound
+        self.host_ms: dict[int, float] = {}
+        self._host_start: dict[int, float] = {}
 
     def _now(self):
         if not self.cuda:
@@ -40,6 +46,7 @@ class StepTimer:
         return event
 
     def start(self, step: int) -> None:
+        self._host_start[step] = time.perf_counter()
         self.pending[step] = [("start", self._now())]
 
     def mark(self, step: int, phase: str) -> None:
@@ -49,6 +56,7 @@ class StepTimer:
 
     def stop(self, step: int) -> None:
         self.pending[step].append(("end", self._now()))
+        self.host_ms[step] = (time.perf_counter() - self._host_start.pop(step)) * 1e3
         if not self.cuda:
             self._close(step, self.pending.pop(step))
 
@@ -68,6 +76,37 @@ class StepTimer:
                 self._close(step, marks)
             self.pending.clear()
         return self.ms
+
+
+SYNC_WARNING = "called a synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")
+
+
+class SyncCounter:
+    """Host syncs per timed step on CUDA: inside `count(step)`, torch.cuda.set_sync_debug_mode("warn")
+    reports every synchronizing CUDA call as a warning, which is counted here (and not shown).
+    On CPU nothing is counted (`per_step` stays empty: there is no device to wait for)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.per_step: dict[int, int] = {}
+
+    @contextmanager
+    def count(self, step: int):
+        if not self.cuda:
+            yield
+            return
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        self.per_step[step] = sum(SYNC_WARNING in str(w.message) for w in caught)
+        for w in caught:  # everything else is shown as it would have been
+            if SYNC_WARNING not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 @contextmanager
