@@ -73,6 +73,19 @@ def test_sigterm_and_sigint_stop_at_a_checkpoint_and_resume_exactly(shard_dir, t
     assert double["latest"] == 2 and "ckpt_step000002" in double["left"]
 
 
+@pytest.mark.slow
+def test_ranks_agree_on_the_stop_step_and_a_dead_rank_is_named(shard_dir, tmp_path):
+    """2 gloo ranks (forked): SIGTERM to rank 1 alone stops both after the same step with one
+    checkpoint holding both ranks' shards, which resumes exactly; SIGKILL of rank 1 ends rank 0
+    with exit 1 and an error naming rank 1 (~2 min on 2 busy cores: marked slow)."""
+    r = _zygote("ranks", shard_dir, tmp_path)
+    assert r["reference_rc"] == [0, 0]
+    assert r["term_rc"] == [143, 143] and len(r["stop_steps"]) == 1
+    assert r["latest"] == r["stop_steps"][0] and r["shards"] == ["__0_0.distcp", "__1_0.distcp"]
+    assert r["resume_rc"] == [0, 0] and r["resume_exact"]
+    assert r["dead_rc"][0] == 1 and "rank(s) [1] stopped answering" in r["dead_rank0_err"]
+
+
 # ---------------------------------------------------------------- the swap, stage by stage
 
 class _Killed(BaseException):

@@ -229,6 +229,22 @@ def _by_preset(read) -> str:
     return "default " + ", ".join(f"{name} {value}" for name, value in values.items())
 
 
+def _add_run_flags(add) -> None:
+    """Checkpoints, resume and run dirs (README: runs, checkpoints and stopping)."""
+    add("--save-every", type=_int_at_least(0),
+        help="checkpoint every N steps, a multiple of 2 (the Adam / n-gram cadence); default 0: "
+             "only the final checkpoint")
+    add("--no-save-final", action="store_true", help="skip the final checkpoint")
+    add("--resume", type=Path,
+        help="continue exactly from a checkpoint folder, or from the newest complete checkpoint "
+             "of a run dir; the run continues in that run dir unless --run-id names another")
+    add("--runs-dir", type=Path, help="where run dirs go (default runs/)")
+    add("--run-id", help="run dir name (default <preset>-<timestamp>); an existing one is refused "
+                         "unless --overwrite or --resume")
+    add("--overwrite", action="store_true",
+        help="empty an existing run dir of this --run-id and start it clean")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m track_1_short.train",
                                 usage="%(prog)s [--preset NAME] [options] (--help lists them)",
@@ -276,18 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="most documents in one micro-batch of any stage and in one validation batch (the "
              "graphs bake it); default: sized from the data at start (the most any batch of the "
              "stage can hold in these shards), logged")
-    add("--save-every", type=_int_at_least(0),
-        help="checkpoint every N steps, a multiple of 2 (the Adam / n-gram cadence); default 0: "
-             "only the final checkpoint")
-    add("--no-save-final", action="store_true", help="skip the final checkpoint")
-    add("--resume", type=Path,
-        help="continue exactly from a checkpoint folder, or from the newest complete checkpoint "
-             "of a run dir; the run continues in that run dir unless --run-id names another")
-    add("--runs-dir", type=Path, help="where run dirs go (default runs/)")
-    add("--run-id", help="run dir name (default <preset>-<timestamp>); an existing one is refused "
-                         "unless --overwrite or --resume")
-    add("--overwrite", action="store_true",
-        help="empty an existing run dir of this --run-id and start it clean")
+    _add_run_flags(add)
     add("--device", choices=("auto", "cuda", "cpu"),
         help=f"device ({_by_preset(lambda c: c.train.device)}; auto: cuda if available)")
     add("--profile-steps", type=_step_range, metavar="START:END",
