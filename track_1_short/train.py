@@ -46,6 +46,7 @@ from track_1_short.perf.compile_cache import CompileCacheError
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.perf.cuda_graphs.capture_plan import describe_plan, step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
 from track_1_short.schedule import Schedule, StepPlan
 from track_1_short.tokenizer import mergeable_ranks
@@ -79,6 +80,7 @@ class Run:
     metrics: report.MetricsLog
     run_dir: Path
     prefix_table: Tensor
+    ngram: NgramStore  # the n-gram table (this rank's rows), held gradients, update events
     prefetch: RowPrefetch
     untie_step: int | None  # embed / lm_head untie after this step's update (None: never)
     loader: LookaheadLoader | None = None
@@ -185,8 +187,7 @@ def forward_configs(plans: list[StepPlan], device: torch.device) -> list[Forward
         out.append(ForwardScheduleConfig(
             mtp_weights=torch.tensor(plan.mtp_weights, dtype=torch.float32, device=device),
             prefix_weight=torch.tensor(plan.prefix_weight, dtype=torch.float32, device=device),
-            sampled_loss=None, ws_short=plan.ws_short, ws_long=plan.ws_long,
-            train_max_seq_len=plan.max_seq_len))
+            ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len))
     return out
 
 
@@ -204,8 +205,9 @@ def build(cfg: RunConfig, ctx: DistributedContext, run_dir: Path, graph_backend=
     # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
     cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, micro_steps
     model = build_model(cfg, device)
+    ngram = NgramStore(model.ngram_table)  # the n-gram table; fills the model's row cache
     if ctx.world_size > 1:
-        model.ngram_table.shard(ctx.rank, ctx.world_size)  # before any capture or census
+        ngram.shard(ctx.rank, ctx.world_size)  # before any capture or census
     optimizer = build_optimizer(cfg, model, ctx)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:
@@ -229,8 +231,8 @@ def build(cfg: RunConfig, ctx: DistributedContext, run_dir: Path, graph_backend=
                forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer, runner=runner,
                micro_steps=micro_steps, plans=plans, fwd_cfgs=forward_configs(plans, device),
                val_tokens=val, metrics=report.MetricsLog(run_dir, enabled=ctx.is_main),
-               run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device),
-               prefetch=RowPrefetch(model.ngram_table), untie_step=untie_step(cfg, schedule))
+               run_dir=run_dir, prefix_table=prefix, timer=StepTimer(device), ngram=ngram,
+               prefetch=RowPrefetch(ngram), untie_step=untie_step(cfg, schedule))
 
 
 def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
@@ -265,19 +267,12 @@ def make_loader(run: Run, state: dict | None = None, seed_offset: int = 0,
 
 # ---------------------------------------------------------------- checkpoints
 
-SHARDED_BUFFERS = ("ngram_table.table", "ngram_table.exp_avg", "ngram_table.exp_avg_sq")
-
-
 def _dcp_state(run: Run) -> dict:
-    """The DCP state dict: replicated model state under "model", each rank's shards under its own
-    keys (optimizer state; the n-gram table's row slice and its Adam state when sharded)."""
-    model = run.model.state_dict()
+    """The DCP state dict: replicated model state under "model", each rank's own state under its
+    own keys (optimizer state; the n-gram store: its table row slice, Adam state and update count)."""
     rank = run.ctx.rank
-    state = {f"optim_rank{rank}": run.optimizer.state_dict()}
-    if run.ctx.world_size > 1:
-        state[f"ngram_rank{rank}"] = {k: model.pop(k) for k in SHARDED_BUFFERS}
-    state["model"] = model
-    return state
+    return {f"optim_rank{rank}": run.optimizer.state_dict(),
+            f"ngram_rank{rank}": run.ngram.state_dict(), "model": run.model.state_dict()}
 
 
 def save_checkpoint(run: Run, steps_done: int) -> Path | None:
@@ -333,7 +328,7 @@ def train_step(run: Run, step: int, loader: LookaheadLoader) -> Tensor:
     state, so the warmup may run a step twice or jump over a stage's first step."""
     plan = run.plans[step]
     run.model.set_yarn_window(plan.ws_long)  # at a ws_long change: YaRN tables in place, scales move
-    ngram, fwd_cfg = run.model.ngram_table, run.fwd_cfgs[step]
+    ngram, fwd_cfg = run.ngram, run.fwd_cfgs[step]
     total = torch.zeros((), device=run.ctx.device)
     for micro in range(run.micro_steps):
         batch = loader.next_batch()
@@ -363,7 +358,7 @@ def evaluate(run: Run, ws_short: int, ws_long: int) -> float:
     """Mean per-token CE over the validation tokens (every rank's slices, reduced)."""
     dcfg, device = run.cfg.data, run.ctx.device
     T = dcfg.val_tokens_per_batch  # the preflight checked that every rank gets a batch
-    ngram = run.model.ngram_table
+    ngram = run.ngram
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     batches = list(val_batches(run.val_tokens, T, dcfg.val_cu_seqlens_rows, run.ctx.rank,
@@ -443,7 +438,7 @@ def warmup_and_capture(run: Run) -> None:
     # Validation windows by stage: each one's eval graph compiles here, in the YaRN state it will
     # run in, so no validation of the timed run stops to compile.
     to_validate = validation_stages(run)
-    ngram = run.model.ngram_table
+    ngram = run.ngram
     with _counting_compiles(run, "warmup"):
         try:
             for i, step in enumerate(visits):
@@ -689,6 +684,7 @@ def _prepare(cfg: RunConfig, ctx: DistributedContext, pre, stop: GracefulStop, g
         warmup_and_capture(run)
         census_before = baked_addresses.take_census(run.model, run.runner)
         restore_state(run, initial)  # in place: parameters, optimizer, tables, YaRN
+        run.ngram.reset()  # in place: the n-gram table slice and its Adam state (not the model's)
         baked_addresses.compare(census_before, baked_addresses.take_census(run.model, run.runner))
         if cfg.train.compile_cache and ctx.is_main:
             # every graph of the run is compiled now (the summary's compiles show none later)
