@@ -33,14 +33,16 @@ import numpy as np
 import torch
 
 from track_1_short import config as config_mod
-from track_1_short.data import BOS_ID, GPT2_VOCAB, Batch
-from track_1_short.model.gpt import ForwardScheduleConfig, GPTConfig
-from track_1_short.ngram_table import NgramConfig
+from track_1_short.atomic_io import write_json_atomic
+from track_1_short.constants import BOS_ID, GPT2_VOCAB
+from track_1_short.data import Batch
+from track_1_short.model.gpt import ForwardScheduleConfig
+from track_1_short.model.gpt_config import GPTConfig
+from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.perf import profiling
-from track_1_short.report import git_revision, write_json_atomic
+from track_1_short.report import git_revision
 from track_1_short.schedule import SPEEDRUN_STAGES
 
-H200_DENSE_BF16_TFLOPS = 790.0  # issue's MFU denominator
 DOC_MEDIAN_TOKENS = 400  # lognormal(ln 400, 1.0): mean ~660 GPT-2 tokens, about FineWeb's
 DOC_SIGMA = 1.0
 SMOKE_VOCAB = 512
@@ -145,7 +147,7 @@ def forward_config(spec: KeySpec, device: torch.device) -> ForwardScheduleConfig
     return ForwardScheduleConfig(
         mtp_weights=torch.tensor(spec.mtp_weights, dtype=torch.float32, device=device),
         prefix_weight=torch.tensor(spec.prefix_weight, dtype=torch.float32, device=device),
-        sampled_loss=None, ws_short=spec.ws_short, ws_long=spec.ws_long,
+        ws_short=spec.ws_short, ws_long=spec.ws_long,
         train_max_seq_len=spec.max_seq_len)
 
 

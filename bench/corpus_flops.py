@@ -27,7 +27,7 @@ from bench import common
 from bench.model import flops
 from track_1_short import config as config_mod
 from track_1_short.data import BOS_ID, SliceShape, TrainStream, list_shards
-from track_1_short.report import write_json_atomic
+from track_1_short.atomic_io import write_json_atomic
 
 
 def real_pieces(stream: TrainStream, spec: common.KeySpec) -> list[int]:

@@ -5,7 +5,7 @@ What it measures, per key (DESIGN section 3, per-rank shapes of 8 ranks; --keys 
   CUDA; torch.compile(fullgraph=True, dynamic=False)): step_graphs.training_loss (loss.sum()) and
   capture_support.loss_grads w.r.t. every parameter plus the n-gram sink, exactly the eager step
   (EagerStep) minus the gradient handoff, on a synthetic packed batch (bench/common.py) with
-  n-gram slots from NgramTable.slots_for (computed once, outside the timed loop);
+  n-gram slots from NgramStore.slots_for (computed once, outside the timed loop);
 - median / p10 / p90 over --iters steps from CUDA events at step boundaries (no sync inside the
   loop), and host wall ms per step; compile seconds (first call, forward and backward);
 - recompiles during the timed loop (new dynamo graphs + AOTAutograd compiles; must be 0);
@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 
 from bench import common
+from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.perf.cuda_graphs.capture_support import loss_grads
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.cuda_graphs.step_graphs import training_loss
 
 REFERENCE_MS = {"A": 27.97, "B": 53.43, "C": 80.12}  # modded-nanogpt HEAD, FA2, one H200
@@ -47,7 +49,7 @@ FLOPS_FORMULA = (
     "min(window, mean_doc_len) * D; matmul_params = qk_bank[:n_attn*H] + vo_bank[:2*n_attn] + "
     "mlp_bank[:L] + lm_head (real entries, padding excluded); window = ws_long on long_window_layers "
     "else ws_short; paired-head layers counted like the others; mfu = model_flops / seconds / "
-    f"{common.H200_DENSE_BF16_TFLOPS:g}e12")
+    f"{H200_DENSE_BF16_TFLOPS:g}e12")
 
 
 def matmul_params(c) -> dict[str, int]:
@@ -91,7 +93,7 @@ def key_record(c, spec: common.KeySpec, pieces: list[int], timing: dict, **extra
     """One key's JSON row: timing + FLOPs + MFU (from the median) + reference comparison."""
     f = flops(c, spec, pieces)
     seconds = timing["median_ms"] / 1e3
-    peak = common.H200_DENSE_BF16_TFLOPS * 1e12
+    peak = H200_DENSE_BF16_TFLOPS * 1e12
     row = {"key": spec.name, "tokens": spec.tokens, "cu_seqlens_rows": spec.cu_seqlens_rows,
            "ws_short": spec.ws_short, "ws_long": spec.ws_long, "max_seq_len": spec.max_seq_len,
            "mtp_targets": len(spec.mtp_weights), **timing, **f,
@@ -127,7 +129,7 @@ def finish(results: common.Results) -> None:
 def bench_key(spec, model, fn, device, iters: int, warmup: int, profile_top: int = 0) -> dict:
     common.set_yarn(model, spec)
     batch, pieces = common.model_batch(spec, model, device, seed=1000 + spec.tokens)
-    slots = model.ngram_table.slots_for(batch.inputs)
+    slots = NgramStore(model.ngram_table).slots_for(batch.inputs)  # rows of a zero table
     cfg = common.forward_config(spec, device)
     sink = model.ngram_table.grad_sink(spec.tokens)
     leaves = [p for _, p in model.named_parameters()] + [sink]

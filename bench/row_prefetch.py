@@ -36,10 +36,13 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.common import command  # noqa: E402
+from track_1_short.atomic_io import write_json_atomic  # noqa: E402
+from track_1_short.constants import BOS_ID  # noqa: E402
 from track_1_short.distributed import destroy_distributed, init_distributed  # noqa: E402
-from track_1_short.ngram_table import BOS_ID, NgramConfig, NgramTable  # noqa: E402
+from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
+from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
+from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch  # noqa: E402
-from track_1_short.report import write_json_atomic  # noqa: E402
 
 
 class _Batch:
@@ -87,7 +90,7 @@ def _run(rank: int, world_size: int, args, device: torch.device) -> list[dict]:
     """warmup + steps micro-steps in the trainer's order; per-step timings (ms) after warmup."""
     sizes = dict(dim=16, bigram_rows=1024, trigram_rows=1024) if args.smoke else {}
     cfg = NgramConfig(cache_rows=2 * args.tokens, **sizes)
-    table = NgramTable(cfg).to(device)
+    table = NgramStore(NgramLookup(cfg).to(device))
     table.shard(rank, world_size)
     prefetch, loader = RowPrefetch(table), LookaheadLoader(_SyntheticLoader(args.tokens, device, rank))
     cuda = device.type == "cuda"

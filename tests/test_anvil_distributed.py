@@ -4,7 +4,7 @@ Scope: W ranks (2 and 4), each computing gradients on its slice of the same glob
 the parameters one process gets on the whole batch (within 1e-5 relative, fp32), over 6 steps that
 cover ANVIL banks (wide, square, tall 2-slot), sharded Adam tables with and without dim-0 padding,
 replicated scalars, the value_embeds gradient buffer, the tied embed/lm_head and the untie. Also:
-a dead rank is named by lost_ranks, grad_accum_steps, the single-process fallback.
+a dead rank is named by lost_ranks, the single-process fallback.
 Hardware: CPU only, spawns processes (~30 s on 2 cores).
 Run: `.venv/bin/python -m pytest tests/test_anvil_distributed.py -q`.
 """
@@ -19,8 +19,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from track_1_short.distributed import (destroy_distributed, grad_accum_steps, init_distributed,
-                                       lost_ranks)
+from track_1_short.distributed import destroy_distributed, init_distributed, lost_ranks
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
 
 VOCAB, DIM, LAYERS, GLOBAL_BATCH, SEQ, STEPS, UNTIE_STEP = 50, 16, 4, 8, 6, 6, 1
@@ -142,9 +141,3 @@ def test_strided_sharded_parameter_is_refused(tmp_path):
     message = torch.load(tmp_path / "rank0.pt")
     assert "sharded Adam parameter embed.weight" in message and "contiguous" in message, message
 
-
-def test_grad_accum_steps():
-    assert [grad_accum_steps(w) for w in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    for bad in (3, 5, 16, 0):
-        with pytest.raises(ValueError, match="world_size"):
-            grad_accum_steps(bad)

@@ -14,6 +14,7 @@ import torch
 from track_1_short.model.attention import (attention, document_ids, flex_attention, pair_heads,
                                            reference_attention, resolve_backend, unpair_heads)
 from track_1_short.model.gpt import GPT, GPTConfig
+from track_1_short.perf.ngram_store import NgramStore
 
 
 def _cu(lengths, capacity):
@@ -117,7 +118,7 @@ def test_model_flex_matches_reference_with_paired_heads_and_key_offset():
     cu = _cu([40, 100, 3, 113], capacity=8)
     inputs[cu[:4].long()] = 50256
     targets = torch.randint(0, 50257, (t,))
-    slots = model.ngram_table.slots_for(inputs)
+    slots = NgramStore(model.ngram_table).slots_for(inputs)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = model.eval_ce(inputs, targets, cu, slots, 24, 72, 128)

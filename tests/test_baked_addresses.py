@@ -74,7 +74,8 @@ def test_rebind_is_caught_naming_the_role(rebind, role):
 def test_missing_and_added_roles(sealed_harness):
     h = sealed_harness
     before = _census(h)
-    extra = take_census(h.model, h.runner, extra=[("optimizer.exp_avg[embed]", torch.zeros(3))])
+    extra = _census(h)
+    extra.add("extra:optimizer.exp_avg[embed]", torch.zeros(3))
     with pytest.raises(CensusError, match=r"added extra:optimizer\.exp_avg\[embed\]"):
         compare(before, extra)
     with pytest.raises(CensusError, match=r"missing extra:optimizer\.exp_avg\[embed\]"):
@@ -93,6 +94,6 @@ def test_every_changed_role_is_listed():
 
 
 def test_duplicate_role_rejected(sealed_harness):
-    t = torch.zeros(1)
+    census = _census(sealed_harness)
     with pytest.raises(CensusError, match="listed twice"):
-        take_census(sealed_harness.model, sealed_harness.runner, extra=[("x", t), ("x", t)])
+        census.add("param:bank_qk", torch.zeros(1))

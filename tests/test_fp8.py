@@ -29,7 +29,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tests.test_model import SMALL_VOCAB, _batch, _fcfg, _model
+from tests.test_model import SMALL_VOCAB, _batch, _fcfg, _model, _slots
 from track_1_short.model import fp8
 from track_1_short.model.fp8 import (E4M3, E4M3_MAX, E5M2, FP8_MAX, MLP_DOWN_W_MARGIN,
                                      MLP_DOWN_X_MARGIN, Fp8Config, Fp8Matmuls, amax, amax_scale,
@@ -499,7 +499,7 @@ def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
         model.fp8.active = active
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for step, (inputs, targets, cu) in enumerate(batches[:2]):
-            slots = model.ngram_table.slots_for(inputs)
+            slots = _slots(model, inputs)
             before = _state(model.fp8)
             loss = model(inputs, targets, cu, slots, fcfg)
             loss.mean().backward()
@@ -522,7 +522,7 @@ def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
 
     model = models[True]
     inputs, targets, cu = batches[2]
-    slots = model.ngram_table.slots_for(inputs)
+    slots = _slots(model, inputs)
     start = _state(model.fp8)
     eager = model(inputs, targets, cu, slots, fcfg).detach()
     eager_state = _state(model.fp8)

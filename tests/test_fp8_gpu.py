@@ -280,18 +280,18 @@ def test_tiny_gpt_fp8_against_bf16():
     every gradient finite, the big matrices' gradients pointing the same way (cosine > 0.95; CPU
     stand-in >= 0.993), eval_ce identical (eval never uses fp8) and leaving the scale buffers
     untouched."""
-    from tests.test_model import _batch
+    from tests.test_model import _batch, _slots
     from track_1_short.model.gpt import ForwardScheduleConfig
 
     device = torch.device("cuda")
     batches = [[t.to(device) for t in _batch(256, 8, 3, seed=seed)] for seed in (0, 1)]
     cfg = ForwardScheduleConfig(torch.tensor([1.0, 0.5], device=device), torch.tensor(0.0, device=device),
-                                None, 32, 96, 256)
+                                32, 96, 256)
     results = {}
     for enabled in (False, True):
         model = _tiny_gpt(enabled, device)
         for b, (inputs, targets, cu) in enumerate(batches):
-            slots = model.ngram_table.slots_for(inputs)
+            slots = _slots(model, inputs)
             loss = model(inputs, targets, cu, slots, cfg)
             loss.sum().backward()
             grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}

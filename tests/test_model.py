@@ -10,16 +10,33 @@ Run: `.venv/bin/python -m pytest tests/test_model.py -q`; slow ones: add `-m slo
 """
 
 import math
+import weakref
 
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from track_1_short.constants import BOS_ID
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig, GPTConfig
 from track_1_short.model.loss import softcap
-from track_1_short.ngram_table import BOS_ID, NgramConfig
+from track_1_short.model.ngram_config import NgramConfig
+from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.perf.ngram_store import NgramStore
 
 VOCAB = 50304
+_STORES: "weakref.WeakKeyDictionary[GPT, NgramStore]" = weakref.WeakKeyDictionary()
+
+
+def _store(model: GPT) -> NgramStore:
+    """The model's n-gram table (as the trainer builds one beside each model)."""
+    if model not in _STORES:
+        _STORES[model] = NgramStore(model.ngram_table)
+    return _STORES[model]
+
+
+def _slots(model: GPT, inputs: torch.Tensor) -> torch.Tensor:
+    """ngram_slots of `inputs`, the row cache filled from the model's table."""
+    return _store(model).slots_for(inputs)
 
 
 def _model(seed=0, live_attention=True, **config):
@@ -29,7 +46,7 @@ def _model(seed=0, live_attention=True, **config):
         with torch.no_grad():
             model.vo_bank[1::2].normal_(0, 0.05)
             model.mlp_bank[:, 1].normal_(0, 0.05)
-            model.ngram_table.table.normal_(0, 0.1)
+            _store(model).table.normal_(0, 0.1)
     return model
 
 
@@ -43,7 +60,7 @@ def _batch(t, capacity, num_docs, seed=0, vocab=50257):
 
 
 def _fcfg(weights, prefix=0.0, ws=(32, 96), max_len=256):
-    return ForwardScheduleConfig(torch.tensor(weights), torch.tensor(prefix), None, ws[0], ws[1], max_len)
+    return ForwardScheduleConfig(torch.tensor(weights), torch.tensor(prefix), ws[0], ws[1], max_len)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -63,11 +80,14 @@ def test_config_validation(change, match):
 
 def test_parameter_layout():
     model = GPT(GPTConfig.tiny())
-    kinds = model.param_names_by_kind()
-    assert kinds["bank"] == ["qk_bank", "vo_bank", "mlp_bank"]
+    cfgs = build_param_cfgs(model.named_parameters())
+    kinds = {"anvil": [], "adam": []}
+    for name, p in model.named_parameters():
+        kinds[cfgs[p].optim].append(name)
+    assert kinds["anvil"] == ["qk_bank", "vo_bank", "mlp_bank"]
     assert {"embed.weight", "lm_head", "value_embeds.weight", "ve_gate_bank", "smear_gate.weight",
             "sa_lambdas"} <= set(kinds["adam"])
-    assert set(kinds["bank"]) | set(kinds["adam"]) == {n for n, _ in model.named_parameters()}
+    assert set(kinds["anvil"]) | set(kinds["adam"]) == {n for n, _ in model.named_parameters()}
     assert model.qk_bank.shape == (16, 128, 128)  # 5 attention layers x 2 heads = 10, padded to 8k
     assert model.vo_bank.shape == (16, 128, 128) and model.mlp_bank.shape == (8, 2, 512, 128)
     assert model.qk_bank[10:].abs().sum() == 0 and model.vo_bank[10:].abs().sum() == 0
@@ -102,7 +122,7 @@ def test_bank_padding_counts_matrices(config, shapes):
 def test_loss_at_init_close_to_uniform():
     model = _model(live_attention=False)
     inputs, targets, cu = _batch(256, 8, 3)
-    loss = model(inputs, targets, cu, model.ngram_table.slots_for(inputs), _fcfg([1.0]))
+    loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0]))
     assert loss.shape == (256,) and loss.dtype == torch.float32
     assert abs(loss.mean().item() - math.log(VOCAB)) < 0.05
 
@@ -110,7 +130,7 @@ def test_loss_at_init_close_to_uniform():
 def test_training_loss_terms_against_eval_and_direct_references():
     model = _model()
     inputs, targets, cu = _batch(128, 8, 3)
-    slots = model.ngram_table.slots_for(inputs)
+    slots = _slots(model, inputs)
     table = torch.where(torch.rand(VOCAB) < 0.7, torch.randint(0, VOCAB, (VOCAB,)), -1)
     model.set_prefix_table(table)
     with torch.no_grad():
@@ -136,10 +156,10 @@ def test_value_embed_pull_equals_dense_and_sink_gets_gradient():
     inputs, targets, cu = _batch(128, 8, 3)
     fc = _fcfg([1.0, 0.5], prefix=0.0)
     dense_model, pull_model = _model(), _model()
-    slots = dense_model.ngram_table.slots_for(inputs)
+    slots = _slots(dense_model, inputs)
     dense_model(inputs, targets, cu, slots, fc).sum().backward()
     sink = pull_model.ngram_table.grad_sink(128)
-    pull_model.ngram_table.slots_for(inputs)
+    _slots(pull_model, inputs)
     pull_model(inputs, targets, cu, slots, fc, ngram_sink=sink,
                value_embed_grad=pull_model.value_embeds.grad_accum).sum().backward()
     assert pull_model.value_embeds.weight.grad is None
@@ -181,9 +201,9 @@ def _run_keys(compiled, model, steps_per_key, check_eager=False):
         for step in range(steps_per_key):
             inputs, targets, cu = _batch(t, cap, num_docs=2 + step % 3, seed=100 * k + step,
                                          vocab=SMALL_VOCAB)
-            slots = model.ngram_table.slots_for(inputs)
+            slots = _slots(model, inputs)
             w = [x * (1 - 0.1 * step) for x in weights]
-            fc = ForwardScheduleConfig(torch.tensor(w), torch.tensor(0.25 - 0.02 * step), None, *ws, max_len)
+            fc = ForwardScheduleConfig(torch.tensor(w), torch.tensor(0.25 - 0.02 * step), *ws, max_len)
             sink = model.ngram_table.grad_sink(t)
             loss = compiled(inputs, targets, cu, slots, fc, ngram_sink=sink,
                             value_embed_grad=model.value_embeds.grad_accum)
@@ -204,8 +224,8 @@ def test_compile_one_key_fullgraph():
     t, cap, weights, ws, max_len = KEYS[0]
     for step in range(2):
         inputs, targets, cu = _batch(t, cap, 2 + step, seed=step, vocab=SMALL_VOCAB)
-        slots = model.ngram_table.slots_for(inputs)
-        fc = ForwardScheduleConfig(torch.tensor(weights), torch.tensor(0.25), None, *ws, max_len)
+        slots = _slots(model, inputs)
+        fc = ForwardScheduleConfig(torch.tensor(weights), torch.tensor(0.25), *ws, max_len)
         compiled(inputs, targets, cu, slots, fc, ngram_sink=model.ngram_table.grad_sink(t),
                  value_embed_grad=model.value_embeds.grad_accum).sum().backward()
     assert counter.frame_count == 1
@@ -231,8 +251,8 @@ def test_compile_inductor_one_key():
     t, cap, weights, ws, max_len = KEYS[0]
     for step in range(2):
         inputs, targets, cu = _batch(t, cap, 2 + step, seed=step, vocab=SMALL_VOCAB)
-        slots = model.ngram_table.slots_for(inputs)
-        fc = ForwardScheduleConfig(torch.tensor(weights), torch.tensor(0.25), None, *ws, max_len)
+        slots = _slots(model, inputs)
+        fc = ForwardScheduleConfig(torch.tensor(weights), torch.tensor(0.25), *ws, max_len)
         loss = compiled(inputs, targets, cu, slots, fc)
         loss.sum().backward()
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Sharded NgramTable (rows split over ranks, row pull and update events through all_to_all_single),
+"""Sharded NgramStore (rows split over ranks, row pull and update events through all_to_all_single),
 RowPrefetch and ValueEmbedPull's grad_accum under AnvilAndAdam, across processes with gloo on CPU.
 
 Scope: W = 2 and 4 ranks, each running 8/W micro-steps on its slices of the same global batch
@@ -28,10 +28,13 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from track_1_short.ngram_table import BOS_ID, NgramConfig, NgramTable
+from track_1_short.constants import BOS_ID
+from track_1_short.model.ngram_config import NgramConfig
+from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
+from track_1_short.model.value_embed import ValueEmbedPull
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
-from track_1_short.perf.value_embed_pull import ValueEmbedPull
 
 REPO = Path(__file__).resolve().parents[1]
 SLICES, T, DIM, STEPS, CYCLE, VE_VOCAB = 8, 16, 8, 6, 2, 26
@@ -42,6 +45,10 @@ def _cfg(micro_steps: int = 1, **kw) -> NgramConfig:
                 micro_steps=micro_steps, dtype=torch.float64, lr=0.05)
     base.update(kw)
     return NgramConfig(**base)
+
+
+def _store(cfg: NgramConfig) -> NgramStore:
+    return NgramStore(NgramLookup(cfg))
 
 
 def _slice_tokens(step: int, slice_index: int) -> torch.Tensor:
@@ -76,11 +83,11 @@ class _Model(nn.Module):
         self.value_embeds = ValueEmbedPull(2, VE_VOCAB, DIM)  # 52 rows: sharded over 2 and 4 ranks
 
 
-def _micro_loss(table: NgramTable, model: _Model, slots, inputs, index: int, scale: float):
+def _micro_loss(lookup: NgramLookup, model: _Model, slots, inputs, index: int, scale: float):
     """A nonlinear loss of the gathered rows (so a stale row changes loss and gradient) plus a value
     embedding term feeding grad_accum. Returns the scaled 0-d loss, its n-gram part, the sink."""
-    sink = table.grad_sink(T)
-    out = table.gather(slots, sink)  # [T, R]
+    sink = lookup.grad_sink(T)
+    out = lookup.gather(slots, sink)  # [T, R]
     w = torch.linspace(-1, 1, T * DIM, dtype=torch.float64).view(T, DIM) * (index + 1)
     ve = model.value_embeds.lookup(index % 2, inputs.long() % VE_VOCAB, model.value_embeds.grad_accum)
     ngram_loss = (torch.tanh(out) * w).sum() + 0.1 * (out ** 2).sum()
@@ -91,7 +98,8 @@ def train(rank: int, world_size: int, group=None) -> dict:
     """STEPS steps of 8/W micro-steps with row prefetch, ring-held gradients, events, then a reset."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
-    table = NgramTable(_cfg(micro_steps))
+    table = _store(_cfg(micro_steps))
+    lookup = table.lookup
     table.table.copy_(torch.randn(table.table.shape, generator=g, dtype=torch.float64))
     table.shard(rank, world_size, group)
     torch.manual_seed(0)  # ValueEmbedPull draws its init from the global generator
@@ -103,16 +111,16 @@ def train(rank: int, world_size: int, group=None) -> dict:
     out = {"loss": {}, "grad": {}, "ptrs": []}
 
     def ptrs():
-        return [t.data_ptr() for t in (table.cache, table.table, table.exp_avg, table.exp_avg_sq,
-                                       table.grad_sink(T), model.value_embeds.grad_accum, *ring)]
+        return [t.data_ptr() for t in (lookup.cache, table.table, table.exp_avg, table.exp_avg_sq,
+                                       lookup.grad_sink(T), model.value_embeds.grad_accum, *ring)]
 
     for step in range(STEPS):
-        event = table.is_event(step)
+        event = (step + 1) % CYCLE == 0  # the schedule's ngram_event for this cycle
         for micro in range(micro_steps):
             batch = loader.next_batch()
             inputs, index = batch.inputs, batch.index
             ids, slots = prefetch.slots_for(inputs)  # rows (phase B), after the last event
-            loss, ngram_loss, sink = _micro_loss(table, model, slots, inputs, index, 1.0 / micro_steps)
+            loss, ngram_loss, sink = _micro_loss(lookup, model, slots, inputs, index, 1.0 / micro_steps)
             prefetch.issue(loader)  # next micro-batch's ids (phase A), before the "backward"
             loss.backward()
             grad, sink.grad = sink.grad, None
@@ -129,6 +137,7 @@ def train(rank: int, world_size: int, group=None) -> dict:
                exp_avg_sq=table.exp_avg_sq.clone(), num_updates=int(table.num_updates),
                ve=model.value_embeds.weight.detach().clone())
     table.reset()
+    lookup.reset()
     prefetch.reset()
     out["ptrs"].append(ptrs())
     return out
@@ -174,9 +183,9 @@ def test_sharded_matches_single_rank(world_size, single, tmp_path):
 
 
 def test_bad_inputs_name_the_value():
-    table = NgramTable(_cfg())
+    table = _store(_cfg())
     with pytest.raises(ValueError, match="60000"):
-        table.row_ids(torch.tensor([1, 60000], dtype=torch.int32))
+        table.lookup.row_ids(torch.tensor([1, 60000], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_rows=32"):
         RowPrefetch(table).slots_for(torch.zeros(T + 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_rows=32"):
@@ -188,7 +197,7 @@ def test_bad_inputs_name_the_value():
 
 
 def test_row_prefetch_on_one_rank_is_local():
-    table = NgramTable(_cfg())
+    table = _store(_cfg())
     table.table.normal_()
     prefetch = RowPrefetch(table)
     assert not prefetch.active
@@ -196,10 +205,10 @@ def test_row_prefetch_on_one_rank_is_local():
     x = prefetch.issue(loader).inputs
     assert loader.next_batch().inputs is x
     ids, slots = prefetch.slots_for(x)
-    direct = NgramTable(_cfg())
+    direct = _store(_cfg())
     direct.table.copy_(table.table)
-    assert torch.equal(ids, direct.row_ids(x)) and torch.equal(slots, direct.slots_for(x))
-    assert torch.equal(table.gather(slots), direct.gather(slots))
+    assert torch.equal(ids, direct.lookup.row_ids(x)) and torch.equal(slots, direct.slots_for(x))
+    assert torch.equal(table.lookup.gather(slots), direct.lookup.gather(slots))
     with pytest.raises(RuntimeError, match="another batch"):
         prefetch.issue(loader)
         prefetch.slots_for(x)

@@ -1,4 +1,4 @@
-"""Sharded NgramTable + RowPrefetch on 2 GPUs with NCCL: the same equivalence as
+"""Sharded NgramStore + RowPrefetch on 2 GPUs with NCCL: the same equivalence as
 tests/test_ngram_sharded.py (per-slice losses, sink gradients and updated table slices of 2 ranks
 with 4 micro-steps each equal one CPU float64 process with 8), with the CUDA side stream of
 RowPrefetch in use (phase A on the side stream, phase B on the compute stream), across 3 events.
@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from tests.mp_utils import free_port, set_rank_env
 from tests.test_ngram_sharded import CYCLE, DIM, SLICES, STEPS, T, _cfg, _Loader
 from track_1_short.distributed import destroy_distributed, init_distributed
-from track_1_short.ngram_table import NgramTable
+from track_1_short.model.ngram_lookup import NgramLookup
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
 
 pytestmark = [pytest.mark.gpu,
@@ -37,9 +38,9 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
     """The n-gram part of test_ngram_sharded.train on `device` (float64)."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
-    table = NgramTable(_cfg(micro_steps))
+    table = NgramStore(NgramLookup(_cfg(micro_steps)).to(device))
+    lookup = table.lookup
     table.table.copy_(torch.randn(table.table.shape, generator=g, dtype=torch.float64))
-    table = table.to(device)
     table.shard(rank, world_size, group)
     loader = LookaheadLoader(_DeviceLoader(rank, micro_steps, device) if device.type == "cuda"
                              else _Loader(rank, micro_steps))
@@ -49,8 +50,8 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
         for micro in range(micro_steps):
             batch = loader.next_batch()
             ids, slots = prefetch.slots_for(batch.inputs)
-            sink = table.grad_sink(T)
-            rows = table.gather(slots, sink)  # [T, R]
+            sink = lookup.grad_sink(T)
+            rows = lookup.gather(slots, sink)  # [T, R]
             w = torch.linspace(-1, 1, T * DIM, dtype=torch.float64, device=device).view(T, DIM)
             loss = (torch.tanh(rows) * w * (batch.index + 1)).sum() + 0.1 * (rows ** 2).sum()
             prefetch.issue(loader)  # phase A on the side stream, under the "backward"
@@ -58,7 +59,7 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
             out["loss"][(step, batch.index)] = loss.item()
             out["grad"][(step, batch.index)] = (grad * micro_steps).cpu()
             table.hold(grad.clone(), ids)
-        if table.is_event(step):
+        if (step + 1) % CYCLE == 0:  # the schedule's ngram_event for this cycle
             table.update_event(step, lr_scale=1.0 - 0.1 * step)
     out["table"] = table.table.cpu()
     return out

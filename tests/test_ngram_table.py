@@ -1,6 +1,7 @@
-"""NgramTable: hashing rules (BOS boundaries), gathers and sink gradients against a dense
-nn.Embedding with the same hashing (float64), update events against torch.optim.SparseAdam,
-address stability of cache and sinks across steps/events/reset, bad-input errors, state_dict.
+"""The n-gram embedding on one rank, the model-side NgramLookup with the trainer's NgramStore:
+hashing rules (BOS boundaries), gathers and sink gradients against a dense nn.Embedding with the
+same hashing (float64), update events against torch.optim.SparseAdam, address stability of cache
+and sinks across steps/events/reset, bad-input errors, state_dict.
 
 Hardware: CPU only, < 10 s. Run: `.venv/bin/python -m pytest tests/test_ngram_table.py -q`.
 """
@@ -8,7 +9,10 @@ Hardware: CPU only, < 10 s. Run: `.venv/bin/python -m pytest tests/test_ngram_ta
 import pytest
 import torch
 
-from track_1_short.ngram_table import BOS_ID, MAX_CYCLE_STEPS, SIGN_ROWS, NgramConfig, NgramTable
+from track_1_short.constants import BOS_ID, MAX_CYCLE_STEPS
+from track_1_short.model.ngram_config import NgramConfig
+from track_1_short.model.ngram_lookup import SIGN_ROWS, NgramLookup
+from track_1_short.perf.ngram_store import NgramStore
 
 VOCAB = 50304
 
@@ -20,6 +24,10 @@ def _cfg(**kw):
     return NgramConfig(**base)
 
 
+def _store(cfg: NgramConfig) -> NgramStore:
+    return NgramStore(NgramLookup(cfg))
+
+
 def _tokens(t, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, 50257, (t,), generator=g, dtype=torch.int32)
@@ -29,31 +37,32 @@ def _tokens(t, seed=0):
 
 
 def test_bos_boundaries_use_reserved_rows():
-    table = NgramTable(_cfg())
+    lookup = NgramLookup(_cfg())
     x = torch.tensor([BOS_ID, 11, 12, 13, BOS_ID, 21, 22], dtype=torch.int32)
-    ids = table.row_ids(x)
+    ids = lookup.row_ids(x)
     big, tri = ids[:7], ids[7:]
     b_none, t_none = 96, 97 + 88
     assert big.tolist()[:2] == [b_none, b_none] and big[4] == b_none and big[5] == b_none
     assert all(b < 96 for b in big[[2, 3, 6]].tolist())
     assert tri[:3].tolist() == [t_none] * 3 and tri[4:6].tolist() == [t_none] * 2
     assert 97 <= tri[3] < t_none and tri[6] == t_none  # 22: context 21 only (BOS before it)
-    signs = table.sign_ids(x)
+    signs = lookup.sign_ids(x)
     assert signs[0] == 0 and signs[7] == 0
 
 
 def test_gather_and_sink_grad_equal_dense_embedding():
     torch.manual_seed(0)
-    table = NgramTable(_cfg())
+    table = _store(_cfg())
+    lookup = table.lookup
     table.table.copy_(torch.randn_like(table.table))
     x = _tokens(24)
-    ids = table.row_ids(x)
+    ids = lookup.row_ids(x)
     slots = table.slots_for(x, ids)
-    sink = table.grad_sink(24)
-    out = table.gather(slots, sink)  # [T, R]
+    sink = lookup.grad_sink(24)
+    out = lookup.gather(slots, sink)  # [T, R]
     dense = torch.nn.Embedding(table.cfg.num_rows, 8, dtype=torch.float64)
     dense.weight.data.copy_(table.table)
-    sign = table.sign[table.sign_ids(x)]
+    sign = lookup.sign[lookup.sign_ids(x)]
     ref = (dense(ids) * sign).view(2, 24, 8).sum(0)
     assert torch.allclose(out, ref)
     upstream = torch.randn(24, 8, dtype=torch.float64)
@@ -66,52 +75,54 @@ def test_gather_and_sink_grad_equal_dense_embedding():
 def test_update_events_match_sparse_adam_and_addresses_stay():
     torch.manual_seed(0)
     cfg = _cfg(cycle=2)
-    table = NgramTable(cfg)
+    table = _store(cfg)
+    lookup = table.lookup
     init = torch.randn_like(table.table)
     table.table.copy_(init)
     ref = torch.nn.Embedding(cfg.num_rows, 8, sparse=True, dtype=torch.float64)
     ref.weight.data.copy_(init)
     opt = torch.optim.SparseAdam(ref.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    ptrs = [table.cache.data_ptr()]
+    ptrs = [lookup.cache.data_ptr()]
     touched = torch.zeros(cfg.num_rows, dtype=torch.bool)
     for step in range(6):
         x = _tokens(16, seed=step)
-        ids = table.row_ids(x)
+        ids = lookup.row_ids(x)
         table.slots_for(x, ids)
-        sink = table.grad_sink(16)
+        sink = lookup.grad_sink(16)
         ptrs.append(sink.data_ptr())
         grad = torch.randn(32, 8, dtype=torch.float64)
         table.hold(grad, ids)
         (ref(ids) * grad).sum().backward()  # dense reference accumulates the same rows
         touched[ids] = True
-        if table.is_event(step):
+        if (step + 1) % cfg.cycle == 0:  # the schedule's ngram_event for this cycle
             before = table.table.clone()
             table.update_event(step)
             opt.step()
             opt.zero_grad()
             assert torch.allclose(table.table, ref.weight.data, atol=1e-12)
             assert torch.equal(table.table[~touched], before[~touched])
-            assert torch.equal(table.cache[:32], table.table[ids])  # refreshed in place
+            assert torch.equal(lookup.cache[:32], table.table[ids])  # refreshed in place
             touched[:] = False
-        assert table.cache.data_ptr() == ptrs[0] and table.grad_sink(16).data_ptr() == ptrs[1]
+        assert lookup.cache.data_ptr() == ptrs[0] and lookup.grad_sink(16).data_ptr() == ptrs[1]
     assert table.num_updates == 3
     table.reset()
-    assert table.cache.data_ptr() == ptrs[0] and table.grad_sink(16).data_ptr() == ptrs[1]
+    lookup.reset()
+    assert lookup.cache.data_ptr() == ptrs[0] and lookup.grad_sink(16).data_ptr() == ptrs[1]
     assert table.table.abs().sum() == 0 and table.exp_avg.abs().sum() == 0 and table.num_pending == 0
 
 
 def test_hold_beyond_cycle_is_caught():
-    table = NgramTable(_cfg(cycle=1))
+    table = _store(_cfg(cycle=1))
     x = _tokens(8)
-    table.hold(torch.zeros(16, 8, dtype=torch.float64), table.row_ids(x))
+    table.hold(torch.zeros(16, 8, dtype=torch.float64), table.lookup.row_ids(x))
     with pytest.raises(RuntimeError, match="update event was missed"):
-        table.hold(torch.zeros(16, 8, dtype=torch.float64), table.row_ids(x))
+        table.hold(torch.zeros(16, 8, dtype=torch.float64), table.lookup.row_ids(x))
 
 
 def test_bad_inputs_raise():
-    table = NgramTable(_cfg())
+    table = _store(_cfg())
     with pytest.raises(ValueError, match="60000"):
-        table.row_ids(torch.tensor([1, 60000], dtype=torch.int32))
+        table.lookup.row_ids(torch.tensor([1, 60000], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_rows=64"):
         table.slots_for(_tokens(40))
     with pytest.raises(ValueError, match="cycle"):
@@ -119,9 +130,13 @@ def test_bad_inputs_raise():
 
 
 def test_state_dict_roundtrip():
-    a = NgramTable(_cfg())
+    a = _store(_cfg())
     a.table.normal_()
-    b = NgramTable(_cfg(seed=1))
+    b = _store(_cfg(seed=1))
     b.load_state_dict(a.state_dict())
-    assert torch.equal(a.table, b.table) and torch.equal(a.sign, b.sign)
-    assert "cache" not in a.state_dict() and a.sign.shape == (SIGN_ROWS, 8)
+    b.lookup.load_state_dict(a.lookup.state_dict())
+    assert torch.equal(a.table, b.table) and torch.equal(a.lookup.sign, b.lookup.sign)
+    assert "cache" not in a.lookup.state_dict() and a.lookup.sign.shape == (SIGN_ROWS, 8)
+    # the store saves the table and its Adam state, the model (the lookup) the signs
+    assert set(a.state_dict()) == {"table", "exp_avg", "exp_avg_sq", "num_updates"}
+    assert set(a.lookup.state_dict()) == {"sign"}

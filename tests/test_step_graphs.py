@@ -1,7 +1,7 @@
 """StepGraphs logic on CPU, over the CUDA-graph stand-in (capture_support.RecordingGraphBackend).
 
 Scope: static-input copies and output aliasing, gradient handoff (ANVIL direct, Adam and
-micro-step accumulators), the n-gram ring, seal, key/YaRN/sampled-loss guards, the self-check,
+micro-step accumulators), the n-gram ring, seal, key/YaRN guards, the self-check,
 capture-error translation, the eager twin's parity and `python -O` safety. The model, n-gram
 table, value-embed pull and optimizer are small FAKES with the real modules' contracts (the real
 ones are exercised on the GPU by tests/test_step_graphs_gpu.py), plus one `slow` test of the real
@@ -9,7 +9,7 @@ tiny GPT's contracts over the stand-in. Hardware: CPU; ~25 s on 2 busy cores (th
 ~8 s, the `python -O` subprocess ~5 s).
 Run: `.venv/bin/python -m pytest tests/test_step_graphs.py -q`.
 
-Shapes: T tokens, V fake vocab, D width (= the fake n-gram row width), P sampled candidates.
+Shapes: T tokens, V fake vocab, D width (= the fake n-gram row width).
 """
 
 import copy
@@ -20,7 +20,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -32,7 +31,8 @@ from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_
 from track_1_short.perf.cuda_graphs.capture_support import (
     CaptureError, RecordingGraphBackend, StepGraphError, paused_gc)
 from track_1_short.perf.cuda_graphs.step_graphs import (
-    EagerStep, StepGraphs, StepGraphsConfig, make_step_runner, sampled_check_steps, training_loss)
+    EagerStep, StepGraphs, StepGraphsConfig, StepRunner, make_step_runner, sampled_check_steps,
+    training_loss)
 from track_1_short.schedule import Schedule, ScheduleConfig, StageConfig, StepPlan
 
 V, D, CACHE_ROWS = 16, 8, 32
@@ -44,16 +44,9 @@ V, D, CACHE_ROWS = 16, 8, 32
 class FakeForwardConfig:
     mtp_weights: Tensor  # [n]
     prefix_weight: Tensor  # 0-d
-    sampled_loss: Any = None
     ws_short: int
     ws_long: int
     train_max_seq_len: int
-
-
-@dataclass(slots=True)
-class FakeSampledLoss:
-    rows: Tensor  # [P] candidate vocab rows
-    weights: Tensor  # [P]
 
 
 class FakeYarn(nn.Module):
@@ -113,8 +106,6 @@ class FakeGPT(nn.Module):
         h = torch.tanh(x @ self.bank_qk * (10 * self.yarn_wide.attn_scale))
         h = torch.relu(h @ self.mlp_weight()) * self.gates[0] + x * self.gates[1]
         logits = (h @ self.embed.T) * self.gates[2] * self.fp8_scale  # [T, V]
-        if cfg.sampled_loss is not None:
-            logits = logits + 0.1 * cfg.sampled_loss.weights.sum()
         ce = F.cross_entropy(logits, targets, reduction="none")  # [T]
         loss = ce * cfg.mtp_weights[0]
         for k in range(1, cfg.mtp_weights.numel()):
@@ -211,19 +202,19 @@ def make_batch(plan: StepPlan, seed: int, tokens: int | None = None) -> tuple[Ba
     return batch, torch.randint(0, CACHE_ROWS, (2 * T,), generator=g)  # ngram_slots [2T]
 
 
-def make_cfg(plan: StepPlan, sampled_loss=None) -> FakeForwardConfig:
+def make_cfg(plan: StepPlan) -> FakeForwardConfig:
     return FakeForwardConfig(mtp_weights=torch.tensor(plan.mtp_weights),
                              prefix_weight=torch.tensor(plan.prefix_weight),
-                             sampled_loss=sampled_loss, ws_short=plan.ws_short,
-                             ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
+                             ws_short=plan.ws_short, ws_long=plan.ws_long,
+                             train_max_seq_len=plan.max_seq_len)
 
 
 class Harness:
-    def __init__(self, model_cls=FakeGPT, graphs=True, grad_accum_steps=1, keys=None, **config):
+    def __init__(self, model_cls=FakeGPT, graphs=True, grad_accum_steps=1, **config):
         torch.manual_seed(0)
         self.model = model_cls()
         self.value_embeds = FakeValueEmbeds()
-        self.keys = keys or step_keys(TINY)
+        self.keys = step_keys(TINY)
         config = StepGraphsConfig(**{"mode": "on" if graphs else "off", "warm_iterations": 1,
                                      **config})
         self.runner = make_step_runner(
@@ -241,8 +232,8 @@ class Harness:
         loss = self.runner.forward(step, batch, slots, make_cfg(plan), micro_step=micro_step)
         value = loss.item()  # the graph's loss is overwritten by the next replay: read it now
         ngram_grad = self.runner.backward()
-        held = self.runner.hold_ngram_grad(ngram_grad, TINY.ngram_pending(step),
-                                           plan.ngram_event)
+        pending = step % TINY.cfg.ngram_cycle  # gradients already held in this n-gram cycle
+        held = self.runner.hold_ngram_grad(ngram_grad, pending, plan.ngram_event)
         return value, held
 
     def warmup_and_seal(self):
@@ -334,12 +325,12 @@ def test_ngram_ring_slot_choice_and_bound():
     cs = h.runner.captured[h.keys[1]]
     assert held_event is cs.ngram_grad
     _, held = h.step(2)  # even step: held in ring slot 0
-    assert held.data_ptr() == h.runner.ngram_grad_ring[0].data_ptr()
+    assert held.data_ptr() == h.runner.ngram_ring.slots[0].data_ptr()
     assert held.shape == (2 * 16, D)
     kept = held.clone()
     h.step(3)  # the replay overwrites the graph's buffer, not the ring slot
     assert torch.equal(held, kept) and not torch.equal(cs.ngram_grad, kept)
-    assert len(h.runner.ngram_grad_ring) == 8
+    assert len(h.runner.ngram_ring.slots) == 8
     with pytest.raises(StepGraphError, match="8 n-gram gradients already held"):
         h.runner.hold_ngram_grad(cs.ngram_grad, 8, False)
 
@@ -374,20 +365,6 @@ def test_yarn_scale_change_after_capture_raises():
     h.model.yarn_wide.attn_scale = 0.13
     with pytest.raises(StepGraphError, match=r"step 1.*YaRN attention scales .*0\.13.* != captured"):
         h.step(1)
-
-
-def test_sampled_loss_identity():
-    keys = [k._replace(candidates=4) for k in step_keys(TINY)]
-    h = Harness(keys=keys)
-    sampled = FakeSampledLoss(rows=torch.arange(4), weights=torch.ones(4))
-    plan = TINY.plan(0)
-    h.runner.forward(0, *make_batch(plan, 0), make_cfg(plan, sampled))
-    h.runner.backward()
-    roles = dict(h.runner.baked_tensors())
-    assert any(role.endswith("sampled_loss.rows") for role in roles)
-    other = FakeSampledLoss(rows=torch.arange(4), weights=torch.ones(4))
-    with pytest.raises(StepGraphError, match="sampled_loss object .* is not the captured one"):
-        h.runner.forward(1, *make_batch(plan, 1), make_cfg(plan, other))
 
 
 def test_self_check_catches_a_baked_value():
@@ -468,6 +445,7 @@ def test_paused_gc_restores_state():
 def test_eager_twin_matches_graphs():
     graphs, eager = Harness(), Harness(graphs=False)
     assert isinstance(graphs.runner, StepGraphs) and isinstance(eager.runner, EagerStep)
+    assert isinstance(graphs.runner, StepRunner) and isinstance(eager.runner, StepRunner)
     assert list(eager.runner.baked_tensors()) == [] and eager.runner.capture_report() == []
     visits = warmup_visit_plan(TINY)
     for step in visits + [2, 3, 8, 9]:
@@ -510,10 +488,9 @@ def test_guards_survive_python_O():
         "assert False  # stripped under -O\n"
         "b = Batch(torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int64),\n"
         "          torch.zeros(3, dtype=torch.int32))\n"
-        "cfg = NS(mtp_weights=torch.ones(1), sampled_loss=None, ws_short=128, ws_long=256,\n"
-        "         train_max_seq_len=8)\n"
+        "cfg = NS(mtp_weights=torch.ones(1), ws_short=128, ws_long=256, train_max_seq_len=8)\n"
         "try:\n"
-        "    check_key(0, b, cfg, [StepGraphKey(16, 3, 1, 0, 128, 256, 8)])\n"
+        "    check_key(0, b, cfg, [StepGraphKey(16, 3, 1, 128, 256, 8)])\n"
         "except StepGraphError as e:\n"
         "    print('raised:', e)\n")
     out = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True,
@@ -541,7 +518,9 @@ def test_real_tiny_gpt_contract_on_cpu():
     and through EagerStep: the module contracts (forward signature, grad_sink, grad_accum, the
     three YaRN instances, ForwardScheduleConfig) hold, and the two runners agree."""
     gpt = pytest.importorskip("track_1_short.model.gpt")
-    ngram = pytest.importorskip("track_1_short.ngram_table")
+    ngram = pytest.importorskip("track_1_short.model.ngram_config")
+    from track_1_short.optim.anvil_config import build_param_cfgs
+    from track_1_short.perf.ngram_store import NgramStore
     stages = (_stage("A", 2, 128, 4, (128, 128), (1.0, 0.5), (1.0, 0.0)),)
     schedule = Schedule(ScheduleConfig(stages=stages))
     keys = step_keys(schedule)
@@ -554,10 +533,8 @@ def test_real_tiny_gpt_contract_on_cpu():
             ngram=ngram.NgramConfig(dim=128, vocab_size=V, bigram_rows=64, trigram_rows=64,
                                     cache_rows=256, bos_id=V - 1)))
         model.resolve_attention_backend(torch.device("cpu"))
-        kinds, params = model.param_names_by_kind(), dict(model.named_parameters())
-        optimizer = SimpleNamespace(param_cfgs={
-            params[n]: SimpleNamespace(optim=optim)
-            for optim, kind in (("anvil", "bank"), ("adam", "adam")) for n in kinds[kind]})
+        optimizer = SimpleNamespace(param_cfgs=build_param_cfgs(model.named_parameters()))
+        store = NgramStore(model.ngram_table)
         runner = make_step_runner(
             StepGraphsConfig(mode="on" if graphs else "off", warm_iterations=1), model=model,
             optimizer=optimizer, step_keys=keys, ngram_table=model.ngram_table,
@@ -568,11 +545,11 @@ def test_real_tiny_gpt_contract_on_cpu():
             batch, _ = make_batch(plan, step)
             cfg = gpt.ForwardScheduleConfig(
                 mtp_weights=torch.tensor(plan.mtp_weights),
-                prefix_weight=torch.tensor(plan.prefix_weight), sampled_loss=None,
+                prefix_weight=torch.tensor(plan.prefix_weight),
                 ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
-            loss = runner.forward(step, batch, model.ngram_table.slots_for(batch.inputs), cfg)
+            loss = runner.forward(step, batch, store.slots_for(batch.inputs), cfg)
             losses.setdefault(step, []).append(loss.item())
-            runner.hold_ngram_grad(runner.backward(), schedule.ngram_pending(step),
+            runner.hold_ngram_grad(runner.backward(), step % schedule.cfg.ngram_cycle,
                                    plan.ngram_event)
         runner.seal()
         losses.setdefault("qk_grad", []).append(model.qk_bank.grad.clone())

@@ -26,8 +26,10 @@ from track_1_short.perf.cuda_graphs.baked_addresses import CensusError, compare,
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.capture_support import (
     CaptureError, CudaGraphBackend, StepGraphError, loss_grads)
+from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs.step_graphs import (StepGraphs, StepGraphsConfig,
                                                         training_loss)
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.schedule import Schedule, ScheduleConfig, StageConfig
 
 pytestmark = [
@@ -59,11 +61,7 @@ class _Optimizer:
     """Only what StepGraphs reads: param_cfgs with .optim (no updates: parameters stay fixed)."""
 
     def __init__(self, model):
-        kinds = model.param_names_by_kind()
-        params = dict(model.named_parameters())
-        self.param_cfgs = {params[n]: SimpleNamespace(optim=kind)
-                           for kind, key in (("anvil", "bank"), ("adam", "adam"))
-                           for n in kinds[key]}
+        self.param_cfgs = build_param_cfgs(model.named_parameters())
 
 
 class _ScaledLoss(nn.Module):
@@ -112,7 +110,7 @@ def _cfg(step: int, device):
     plan = SCHEDULE.plan(step)
     return ForwardScheduleConfig(
         mtp_weights=torch.tensor(plan.mtp_weights, device=device),
-        prefix_weight=torch.tensor(plan.prefix_weight, device=device), sampled_loss=None,
+        prefix_weight=torch.tensor(plan.prefix_weight, device=device),
         ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
 
 
@@ -140,14 +138,19 @@ def _advance_yarn(model, step: int, prev_stage: int) -> int:
     return plan.stage_index
 
 
+def _slots(model, inputs):
+    """ngram_slots of `inputs` (the row cache filled from a zero table, as at init)."""
+    return NgramStore(model.ngram_table).slots_for(inputs)
+
+
 def _run_step(model, runner, step: int, device):
     batch = _batch(step, device)
-    slots = model.ngram_table.slots_for(batch.inputs)
+    slots = _slots(model, batch.inputs)
     cfg = _cfg(step, device)
     loss = runner.forward(step, batch, slots, cfg).item()
     ngram_grad = runner.backward()
     plan = SCHEDULE.plan(step)
-    runner.hold_ngram_grad(ngram_grad, SCHEDULE.ngram_pending(step), plan.ngram_event)
+    runner.hold_ngram_grad(ngram_grad, step % SCHEDULE.cfg.ngram_cycle, plan.ngram_event)
     return batch, slots, cfg, loss
 
 
@@ -235,7 +238,7 @@ def test_unplanned_shape_after_seal_fails(sealed):
     batch = _batch(2, device)
     short = Batch(batch.inputs[:256], batch.targets[:256], batch.cum_seqlens.clamp(max=256))
     with pytest.raises(StepGraphError, match=r"step 2: live key .*tokens=256"):
-        runner.forward(2, short, model.ngram_table.slots_for(short.inputs), _cfg(2, device))
+        runner.forward(2, short, _slots(model, short.inputs), _cfg(2, device))
 
 
 def test_rebound_parameter_fails_census(sealed):
@@ -335,4 +338,4 @@ def test_host_sync_in_capture_names_the_key():
                         backend=CudaGraphBackend(), device=device)
     batch = _batch(0, device)
     with pytest.raises(CaptureError, match=r"forward of step graph StepGraphKey\(tokens=512"):
-        runner.forward(0, batch, model.ngram_table.slots_for(batch.inputs), _cfg(0, device))
+        runner.forward(0, batch, _slots(model, batch.inputs), _cfg(0, device))

@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 
 from track_1_short import tokenizer
+from track_1_short.constants import GPT2_VOCAB
 
 
 def test_hello_world_and_eot():
     enc = tokenizer.get_encoding()
     assert enc.encode("Hello world") == [15496, 995]
     assert enc.encode("<|endoftext|>", allowed_special="all") == [tokenizer.EOT_ID] == [50256]
-    assert enc.n_vocab == tokenizer.GPT2_VOCAB
+    assert enc.n_vocab == GPT2_VOCAB
 
 
 def test_whisper_file_matches_pin_and_tiktoken_ranks():

@@ -1,5 +1,5 @@
-"""Yarn rotary tables: YaRN scale schedule, frequency update, in-place (address-stable) apply/reset,
-paired-table layout, relative-position property.
+"""Yarn rotary tables: YaRN scale schedule, frequency update, in-place (address-stable)
+extend_window/reset, paired-table layout, relative-position property.
 
 Hardware: CPU only, < 5 s. Run: `.venv/bin/python -m pytest tests/test_yarn.py -q`.
 """
@@ -24,7 +24,7 @@ def test_scale_schedule_and_addresses_stable():
     ptrs = _ptrs(y)
     scales = [y.attn_scale]
     for old, new in zip(WINDOWS, WINDOWS[1:]):
-        y.apply(old, new)
+        y.extend_window(old, new)
         scales.append(y.attn_scale)
         assert _ptrs(y) == ptrs
     assert scales == pytest.approx([0.1, 0.11695, 0.12752, 0.13178], abs=5e-6)
@@ -46,10 +46,10 @@ def test_frequency_update_rule():
     assert torch.allclose(g[slow], f[slow] * 384 / 896)  # <= 1 rotation: interpolated by old/new
 
 
-def test_tables_update_in_place_after_apply():
+def test_tables_update_in_place_after_extend_window():
     y = Yarn(head_dim=64, max_position=256)
     before = y.cos.clone()
-    y.apply(384, 896)
+    y.extend_window(384, 896)
     assert not torch.equal(before, y.cos)
     assert torch.allclose(y.cos[:, 32:], torch.ones_like(y.cos[:, 32:]))  # stationary half
     assert torch.all(y.sin[:, 32:] == 0)
@@ -91,4 +91,4 @@ def test_gpt_window_change_moves_all_three_and_module_apply_still_works():
 
 def test_bad_window_raises():
     with pytest.raises(ValueError, match="positive"):
-        Yarn(64, 16).apply(0, 128)
+        Yarn(64, 16).extend_window(0, 128)

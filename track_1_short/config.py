@@ -1,10 +1,12 @@
 """Presets and the command line: one dataclass tree per run, validated when built.
 
 What it replaces: the speedrun's module-level `args` / `Hyperparameters` globals. Each component's
-config lives next to its code (GPTConfig in model/gpt.py, ScheduleConfig in schedule.py,
-AnvilConfig in optim/anvil_config.py, StepGraphsConfig in perf/cuda_graphs/step_graphs.py); this
-module only nests them into `RunConfig`, defines the three presets and maps CLI flags onto them.
-The resolved config is written into the run's summary and log.
+config lives next to its code, in a `*_config.py` module that imports no runtime (GPTConfig in
+model/gpt_config.py with NgramConfig and Fp8Config beside it, ScheduleConfig in schedule.py,
+AnvilConfig in optim/anvil_config.py, StepGraphsConfig in perf/cuda_graphs/graphs_config.py); this
+module only nests them into `RunConfig`, defines the three presets and maps CLI flags onto them,
+and imports no runtime module either (tests/test_layering.py). The resolved config is written
+into the run's summary and log.
 
 Presets:
   speedrun   the four stages of DESIGN section 3 (1285 steps, per-rank shapes of 8 ranks; on fewer
@@ -25,9 +27,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from track_1_short.model.gpt import GPTConfig
+from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.optim.anvil_config import AnvilConfig
-from track_1_short.perf.cuda_graphs.step_graphs import GRAPH_MODES, StepGraphsConfig
+from track_1_short.perf.cuda_graphs.graphs_config import GRAPH_MODES, StepGraphsConfig
 from track_1_short.schedule import SPEEDRUN_STAGES, ScheduleConfig, StageConfig
 
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")

@@ -39,13 +39,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from track_1_short.constants import BOS_ID, GPT2_VOCAB, REFERENCE_WORLD_SIZE
+
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-BOS_ID = 50256
-GPT2_VOCAB = 50257
-REFERENCE_WORLD_SIZE = 8  # slices per step: the speedrun's per-rank shapes are for 8 ranks
 
 PREPARE_HINT = ("prepare data first: `python -m track_1_short.prepare --source embedded` "
                 "(offline) or `--source fineweb --train-shards N`")

@@ -20,8 +20,6 @@ Contract:
 - `health_group`: a gloo group on the CPU (the world group itself under gloo) for the trainer's
   host-side agreements (the run id, the run dir claim, the graceful stop), which must not wait
   on the GPU stream.
-- `grad_accum_steps(world_size)`: the speedrun's per-rank shapes are those of one of 8 ranks, so a
-  smaller world runs 8 / world_size micro-steps per step (DESIGN section 3).
 - `destroy_distributed()` is safe to call when nothing was initialised.
 
 Provenance: torchtitan `torchtitan/distributed/utils.py` (init in one function, timeouts), lingua
@@ -36,8 +34,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-REFERENCE_WORLD_SIZE = 8  # the speedrun's world size: per-rank shapes are one of 8 ranks'
 
 
 @dataclass(slots=True, kw_only=True)
@@ -115,14 +111,6 @@ def lost_ranks(ctx: DistributedContext, tag: str, wait_s: float) -> list[int]:
             return []
         time.sleep(0.1)
     return missing
-
-
-def grad_accum_steps(world_size: int, reference_world_size: int = REFERENCE_WORLD_SIZE) -> int:
-    """Micro-steps per step so that world_size ranks see the reference global batch."""
-    if world_size < 1 or reference_world_size % world_size:
-        raise ValueError(f"world_size {world_size} must divide {reference_world_size} (use 1, 2, 4 or 8 "
-                         "GPUs): the per-rank shapes are fixed to one of the reference ranks'")
-    return reference_world_size // world_size
 
 
 def destroy_distributed():

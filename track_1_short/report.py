@@ -11,21 +11,13 @@ Only rank 0 writes. Nothing here touches the GPU; the trainer passes plain numbe
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-H200_DENSE_BF16_TFLOPS = 790.0  # measured on this workplace's H200s (8192^3 bf16 matmul)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temp file and rename it: readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+from track_1_short.atomic_io import write_json_atomic
+from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 
 
 def git_revision(repo: Path | None = None) -> str:

@@ -25,16 +25,13 @@ cooldown_frac 0.6 from int(1270*0.4)=508, final lr multiplier 0.15, Muon momentu
 Adam on odd steps (`:2104-2106`), YaRN applied where ws_long changes (423, 847, 1270).
 Deviations: the momentum cooldown counts from the last step of the whole run including the
 extension (the facts' "from step 1235"); the n-gram update cadence (`ngram_cycle`) is this
-package's (NgramTable), with a forced update event on the last step so no gradient is left held.
+package's (perf/ngram_store.py), with a forced update event on the last step so no gradient is
+left held.
 """
 
 from dataclasses import dataclass
 
-BLOCK_TOKENS = 128  # attention windows are whole FlexAttention/FA blocks
-# Most steps an n-gram gradient may be held before its update event (the held-gradient ring's
-# bound). Equal to ngram_table.MAX_CYCLE_STEPS (tests/test_schedule.py checks); repeated here so
-# this module stays torch-free.
-MAX_CYCLE_STEPS = 8
+from track_1_short.constants import BLOCK_TOKENS, MAX_CYCLE_STEPS
 
 
 @dataclass(slots=True, kw_only=True)
@@ -163,10 +160,8 @@ class StepPlan:
     prefix_weight: float
     lr_mul: float
     momentum: float
-    adam_step: bool  # Adam parameters update after this step (on the two-step accumulated gradient)
     ngram_event: bool  # the n-gram table applies its held gradients after this step
     validate: bool  # a validation pass runs before this step trains (the final one after the last)
-    window_change: tuple[int, int] | None  # (old ws_long, new ws_long) on a stage's first step
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,7 +171,6 @@ class Transition:
     step: int
     old_stage: str
     new_stage: str
-    window_change: tuple[int, int] | None  # (old ws_long, new ws_long) when YaRN must be re-applied
 
 
 def _lerp(start: float, end: float, t: float) -> float:
@@ -225,9 +219,6 @@ class Schedule:
         stage = self.cfg.stages[index]
         start = self.stage_starts[index]
         t = (step - start) / stage.num_steps
-        window_change = None
-        if step == start and index > 0 and self.cfg.stages[index - 1].ws_long != stage.ws_long:
-            window_change = (self.cfg.stages[index - 1].ws_long, stage.ws_long)
         last = step == self.num_steps - 1
         return StepPlan(
             step=step, stage_index=index, stage=stage.name,
@@ -237,32 +228,21 @@ class Schedule:
                               zip(stage.mtp_weights_start, stage.mtp_weights_end)),
             prefix_weight=_lerp(stage.prefix_weight_start, stage.prefix_weight_end, t),
             lr_mul=self.lr_mul(step), momentum=self.momentum(step),
-            adam_step=step % self.cfg.adam_every == self.cfg.adam_every - 1,
             ngram_event=last or step % self.cfg.ngram_cycle == self.cfg.ngram_cycle - 1,
             validate=step % self.cfg.val_every_steps == 0,
-            window_change=window_change,
         )
-
-    def ngram_pending(self, step: int) -> int:
-        """How many n-gram gradients are already held when step `step`'s gradient arrives: the
-        ring slot StepGraphs.hold_ngram_grad uses for it when this step has no update event."""
-        return step % self.cfg.ngram_cycle
 
     def transitions(self) -> list[Transition]:
         out = []
         for index in range(1, len(self.cfg.stages)):
             old, new = self.cfg.stages[index - 1], self.cfg.stages[index]
-            change = (old.ws_long, new.ws_long) if old.ws_long != new.ws_long else None
             out.append(Transition(step=self.stage_starts[index], old_stage=old.name,
-                                  new_stage=new.name, window_change=change))
+                                  new_stage=new.name))
         return out
 
     def final_validation_windows(self) -> tuple[int, int]:
         """(ws_short, ws_long) of the validation after the last step (768/2560 for the speedrun)."""
         return self.cfg.stages[-1].ws_short, self.cfg.final_val_ws_long
-
-    def total_tokens(self, world_size: int = 8) -> int:
-        return world_size * sum(s.num_steps * s.tokens_per_rank for s in self.cfg.stages)
 
 
 __all__ = ["BLOCK_TOKENS", "MAX_CYCLE_STEPS", "SPEEDRUN_STAGES", "Schedule", "ScheduleConfig",

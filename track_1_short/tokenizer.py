@@ -14,7 +14,7 @@ How it finds the BPE, in order (the first that exists wins; nothing here touches
 Provenance: shared reference embedded_data.md (checked by hand with no network).
 
 Invariants the rest of the package relies on: "Hello world" -> [15496, 995]; `<|endoftext|>` ->
-50256 (= data.BOS_ID, one before each document).
+50256 (= constants.BOS_ID, one before each document).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ from pathlib import Path
 
 import tiktoken
 
+from track_1_short.constants import BOS_ID
+
 EOT_TOKEN = "<|endoftext|>"
-EOT_ID = 50256
-GPT2_VOCAB = 50257  # ids 0..50256; the model pads the embedding to 50304
+EOT_ID = BOS_ID  # the end-of-text token is the BOS placed before every document
 
 # tiktoken 0.14's own pins (tiktoken_ext/openai_public.py) and the sha1-of-URL names its cache uses.
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"

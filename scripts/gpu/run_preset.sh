@@ -4,10 +4,8 @@
 # A cold compile of the speedrun keys takes ~380-390 s, so a run that does not fit one 10-minute device
 # command goes as two calls on the same machine: `warmup`, then, within the device tool's 30 s warm
 # window, `on` (or `off`): build/inductor_cache stays on the warm machine's disk between calls.
-# The speedrun on 2 GPUs (fourth lease): warmup 390 s cold, then on / off ~500 s each (~100 s warm
-# warmup, ~375 s timed). On 8 GPUs (1 micro-step per rank, same per-rank shapes, so a similar
-# compile) the micro-steps take ~1/4 of the time, the optimizer and n-gram phases not (estimate,
-# not measured): `run_preset.sh speedrun 8 warmup`, then `on`, then `off` within the warm windows.
+# On 8 GPUs: `run_preset.sh speedrun 8 warmup`, then `on`, then `off` within the warm windows (the
+# 2-GPU timings of these calls are in docs/results/README.md, "speedrun_2gpu_h200_2026-11-30").
 # Needs $OUT; results land in $OUT (logs and runs packed into results.tgz).
 source "$(dirname "$0")/common.sh"
 run_trainer "${1:?usage: run_preset.sh PRESET NGPUS warmup|on|off}" "${2:?}" "${3:?}"

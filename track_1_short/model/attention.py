@@ -37,8 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BACKENDS = ("auto", "reference", "flex", "varlen", "fa3")
-BLOCK = 128  # FlexAttention tile (query and key) in tokens
+from track_1_short.constants import BLOCK_TOKENS
+from track_1_short.model.gpt_config import BACKENDS
+
+BLOCK = BLOCK_TOKENS  # FlexAttention tile (query and key) in tokens
 
 
 def _fa3_available() -> bool:

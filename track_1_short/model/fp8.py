@@ -7,22 +7,10 @@ faster: Hopper's fp8 tensor cores have twice the dense bf16 peak (H100/H200 SXM 
 TFLOP/s) and the operands are half the bytes; the lm head GEMM [T, 768] x [768, 50304] is the step's
 largest. Correctness: tests/test_fp8_gpu.py (each site vs the reference and bf16 at the speedrun
 shapes, compiled vs eager, captured and replayed, the delayed MLP-down scales under capture, tiny
-GPT fp8 vs bf16) passed on the H200 for all three designs below (2026-11-30, 9 passed each).
-
-Speed, measured (bench/model.py --fp8 / --no-fp8, one H200, forward + backward per micro-step;
-docs/results/README.md):
-- first design, quantisation inside one opaque op per direction: 2.0x SLOWER than bf16 (64.5 vs
-  31.2 ms at key A, 185.9 vs 93.7 ms at C): separate float32 passes inductor could not fuse.
-- traced quantisation, transposes made inside the op body: 1.39x / 1.33x of bf16 (43.3 vs 31.2
-  ms at A, 125.5 vs 94.1 ms at C; model_fp8_traced_h200_AC.json). A third of the fp8 micro-step
-  (13.9 ms at A, 43.5 ms at C) was aten's strided fp8-to-fp8 copy kernel: the body's
-  transposed copies of x8, w8 and g8 for cuBLASLt.
-- current: every layout made in traced code (row_major / col_major), so inductor writes each
-  transposed operand from a Triton kernel (with the quantisation or right after it) instead of
-  aten's copy; the body only checks. 0.979x of bf16 at key A (30.41 vs 31.07 ms;
-  model_fp8_layouts_h200_A.json), no aten fp8 copy among the 20 largest kernels. Key C and the
-  effect on loss over a run are not measured (TODO(model owner)), so Fp8Config.enabled defaults
-  to False.
+GPT fp8 vs bf16). Speed: 0.979x of bf16 at key A, forward + backward per micro-step on one H200
+(30.41 vs 31.07 ms; bench/model.py, docs/results/model_fp8_layouts_h200_A.json; the two earlier
+designs and their numbers are in docs/LOG.md, 2026-11-30). Key C and the effect on loss over a run
+are not measured (TODO(model owner)), so Fp8Config.enabled defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -140,10 +128,11 @@ Legend: T tokens, K inner dim, N output dim, D model dim, F MLP hidden.
 """
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from track_1_short.model.fp8_config import Fp8Config
 
 E4M3 = torch.float8_e4m3fn  # forward operands
 E5M2 = torch.float8_e5m2  # gradients
@@ -158,19 +147,6 @@ AMAX_FLOOR = 1e-12  # every amax is floored here (all-zero tensors quantise to z
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0: H100/H200)
 SITES = ("lm_head", "mlp_up", "mlp_down")  # Fp8Matmuls.matmul(which=...)
 DIM_MULTIPLE = 16  # _scaled_mm: T, K and N multiples of 16 (see module docstring)
-
-
-@dataclass(slots=True, kw_only=True)
-class Fp8Config:
-    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until key C and loss are measured (docstring)
-    # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
-    # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
-    bootstrap_steps: int = 16
-
-    def __post_init__(self):
-        if self.bootstrap_steps < 1:
-            raise ValueError(f"Fp8Config.bootstrap_steps={self.bootstrap_steps} must be >= 1: the "
-                             "first MLP-down call has no previous amax to delay")
 
 
 # ---- quantisation (one definition for the op and the references) ----

@@ -5,7 +5,7 @@ hard-coded layer indices) with one config dataclass holding every layer index, a
 into embed / attention block / MLP block / loss.
 
 Architecture (modded-nanogpt record facts 1.2-1.6; MUDD, XSA and DC are NOT implemented):
-token embedding; hashed bigram + trigram rows (NgramTable, gated per layer); smear
+token embedding; hashed bigram + trigram rows (NgramLookup, gated per layer); smear
 x[t] += lambda * sigmoid(w . x[t][:12]) * x[t-1]; x0 = rms_norm(x); per layer: attention (QK-norm,
 half-truncated RoPE + YaRN, sliding-window causal attention over packed documents; short window
 except on `long_window_layers`, which use `yarn_wide` and the partial key offset; paired-head
@@ -15,7 +15,7 @@ attention on `paired_head_layers` with `yarn_paired_head`), value embeddings add
 MLP; residual lambdas; x0 skips; final rms_norm; lm head; softcap 23*sigmoid((z+5)/7.5); MTP and
 prefix-token CE (loss.py).
 
-Parameters (names the optimizer helper keys on; `param_names_by_kind()`):
+Parameters (names optim/anvil_config.PARAM_TABLE keys on):
 - matrix banks (ANVIL): `qk_bank` [NQK, 2*Dh, D] one entry per (attention layer, {Q, K}, head pair),
   `vo_bank` [NVO, D, D] one per (attention layer, {V, O}), `mlp_bank` [NL, 2, F, D] (c_fc [F, D]
   out x in, c_proj [F, D] stored in x out). Each bank's MATRIX count (NQK, NVO, 2*NL) is padded to a
@@ -28,7 +28,9 @@ Parameters (names the optimizer helper keys on; `param_names_by_kind()`):
 - embed and lm_head are TWO parameters, equal (embed = lm_head.T) at init; keeping them tied while
   training (adding embed's gradient into lm_head's and copying back, facts 3) is the trainer's job.
 
-Not parameters: NgramTable (buffers + its own sparse Adam), YaRN tables, fp8 scales, prefix table.
+Not parameters: the n-gram lookup's row cache and signs (`ngram_table`, model/ngram_lookup.py; the
+table itself, its shards and its sparse Adam are the trainer's NgramStore, perf/ngram_store.py,
+which fills the cache before each forward), YaRN tables, fp8 scales, prefix table.
 
 What must stay stable for CUDA graphs: every parameter and buffer address (YaRN, prefix table,
 n-gram cache and fp8 scales are only ever written in place). Python values the compiled forward
@@ -49,95 +51,22 @@ NVE value-embedding tables, C cum_seqlens entries.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from track_1_short.model.attention import BACKENDS, attention, pair_heads, resolve_backend, unpair_heads
-from track_1_short.model.fp8 import Fp8Config, Fp8Matmuls
+from track_1_short.model.attention import attention, pair_heads, resolve_backend, unpair_heads
+from track_1_short.model.fp8 import Fp8Matmuls
+from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.loss import per_token_ce, softcap, training_loss
-from track_1_short.model.sampled_softmax import SampledSoftmax
+from track_1_short.model.ngram_lookup import NgramLookup
+from track_1_short.model.value_embed import ValueEmbedPull
 from track_1_short.model.yarn import Yarn
-from track_1_short.ngram_table import NgramConfig, NgramTable
-from track_1_short.perf.value_embed_pull import ValueEmbedPull
 
 SMEAR_DIMS = 12  # facts 1.2: the smear gate reads x[t][:12]
 VE_GATE_DIMS = 6  # the value-embedding gate reads attn_in[:6] and ve[:6]
-BANKS = ("qk_bank", "vo_bank", "mlp_bank")
-
-
-@dataclass(slots=True, kw_only=True)
-class GPTConfig:
-    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 128
-    num_layers: int = 11
-    model_dim: int = 768
-    num_heads: int = 6  # even: qk_bank entries are head pairs
-    head_dim: int = 128
-    mlp_hidden: int = 3072
-    long_window_layers: tuple[int, ...] = (3, 10)  # ws_long, yarn_wide, partial key offset
-    paired_head_layers: tuple[int, ...] = (0, 2, 5, 9)  # yarn_paired_head, doubled positions
-    no_attention_layer: int | None = 6
-    skip_from_layer: int = 3  # its output skips into no_attention_layer
-    value_embed_layers: tuple[int, ...] = (1, 2, 8, 9, 10)  # table k serves the k-th of these
-    # each bank's matrix count is padded to a multiple of this, so the optimizer's sharding splits it
-    # over 1, 2, 4 or 8 ranks (8 = data.REFERENCE_WORLD_SIZE): speedrun qk 60 -> 64, vo 20 -> 24,
-    # mlp 11 layers x 2 = 22 -> 24 matrices (12 entries)
-    bank_pad_multiple: int = 8
-    max_position: int = 262_144  # rotary table rows: >= the largest T (train and eval) per rank
-    attention_backend: str = "auto"  # attention.BACKENDS
-    lm_head_init_std: float = 0.005
-    eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
-    ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
-    fp8: Fp8Config = field(default_factory=Fp8Config)
-
-    def __post_init__(self):
-        layers = range(self.num_layers)
-        for name in ("long_window_layers", "paired_head_layers", "value_embed_layers"):
-            bad = [i for i in getattr(self, name) if i not in layers or i == self.no_attention_layer]
-            if bad:
-                raise ValueError(f"GPTConfig.{name} has layers {bad} outside [0, {self.num_layers}) "
-                                 f"or equal to no_attention_layer={self.no_attention_layer}")
-        if set(self.long_window_layers) & set(self.paired_head_layers):
-            raise ValueError("GPTConfig.paired_head_layers and long_window_layers must not overlap "
-                             "(the partial key offset is defined for unpaired heads)")
-        if self.num_heads % 2 or self.head_dim % 4:
-            raise ValueError(f"GPTConfig.num_heads={self.num_heads} must be even and head_dim="
-                             f"{self.head_dim} a multiple of 4")
-        if self.num_heads * self.head_dim != self.model_dim:
-            raise ValueError(f"GPTConfig.model_dim={self.model_dim} must equal num_heads*head_dim="
-                             f"{self.num_heads * self.head_dim} (vo_bank entries are square)")
-        if self.no_attention_layer is not None and not (
-                0 <= self.skip_from_layer < self.no_attention_layer < self.num_layers):
-            raise ValueError(f"GPTConfig.skip_from_layer={self.skip_from_layer} must precede "
-                             f"no_attention_layer={self.no_attention_layer} < num_layers")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: one of {BACKENDS}")
-        if self.bank_pad_multiple < 1:
-            raise ValueError(f"GPTConfig.bank_pad_multiple={self.bank_pad_multiple} must be >= 1")
-        if (self.ngram.dim, self.ngram.vocab_size) != (self.model_dim, self.vocab_size):
-            raise ValueError(f"GPTConfig.ngram.dim/vocab_size=({self.ngram.dim}, {self.ngram.vocab_size})"
-                             f" must equal model_dim/vocab_size ({self.model_dim}, {self.vocab_size})")
-
-    @classmethod
-    def tiny(cls, **overrides) -> "GPTConfig":
-        """CPU tests and the cpu-tiny preset: 6 layers, d=128, 2 heads x 64, real GPT-2 vocab; the
-        layer roles of the 11-layer model scaled to 6 layers."""
-        vocab = overrides.get("vocab_size", 50304)
-        fields = dict(
-            num_layers=6, model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
-            long_window_layers=(2, 5), paired_head_layers=(0, 3), no_attention_layer=4,
-            skip_from_layer=2, value_embed_layers=(1, 3, 5), max_position=4096,
-            ngram=NgramConfig(vocab_size=vocab, dim=128, bigram_rows=4096, trigram_rows=4096,
-                              cache_rows=2 * 4096),
-        )
-        fields.update(overrides)
-        return cls(**fields)
-
-    @property
-    def attention_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if i != self.no_attention_layer]
 
 
 @dataclass(slots=True)
@@ -147,7 +76,6 @@ class ForwardScheduleConfig:
 
     mtp_weights: Tensor  # float32 [N]
     prefix_weight: Tensor  # float32 0-d
-    sampled_loss: SampledSoftmax | None  # None = full softmax
     ws_short: int  # tokens
     ws_long: int  # tokens
     train_max_seq_len: int  # tokens
@@ -176,7 +104,7 @@ class GPT(nn.Module):
         with torch.no_grad():
             self.embed.weight.copy_(self.lm_head.T)
         self.value_embeds = ValueEmbedPull(len(c.value_embed_layers), v, d)
-        self.ngram_table = NgramTable(c.ngram)
+        self.ngram_table = NgramLookup(c.ngram)  # the lookup only: the table is the trainer's NgramStore
 
         qk = torch.zeros(_padded(n_attn * h, pad), 2 * dh, d)  # [NQK, 2Dh, D]
         qk[: n_attn * h].uniform_(-bound, bound)
@@ -209,11 +137,6 @@ class GPT(nn.Module):
 
     # ---- trainer-facing helpers (eager) ----
 
-    def param_names_by_kind(self) -> dict[str, list[str]]:
-        """{"bank": the three ANVIL matrix banks, "adam": every other parameter}."""
-        names = [n for n, _ in self.named_parameters()]
-        return {"bank": [n for n in names if n in BANKS], "adam": [n for n in names if n not in BANKS]}
-
     def resolve_attention_backend(self, device: torch.device) -> str:
         """Fix the attention backend for `device` (config 'auto': CUDA flex, CPU reference)."""
         self.attention_backend = resolve_backend(self.config.attention_backend, device)
@@ -225,7 +148,7 @@ class GPT(nn.Module):
         schedule can move it separately; today it stays equal to `yarn`."""
         if old_ws_long != new_ws_long:
             for y in (self.yarn, self.yarn_paired_head, self.yarn_wide):
-                y.apply(old_ws_long, new_ws_long)
+                y.extend_window(old_ws_long, new_ws_long)
 
     def set_yarn_window(self, ws_long: int):
         """YaRN for the training window ws_long, from the window the tables serve now: nothing when
@@ -255,14 +178,9 @@ class GPT(nn.Module):
         """Per-token training loss float32 [T]; the trainer backpropagates loss.sum()."""
         x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
                         cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len, use_fp8=True)  # [T, D]
-        s = cfg.sampled_loss
-        if s is None:
-            capped = softcap(self.fp8.matmul(x, self.lm_head, which="lm_head"))  # [T, V]
-            return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight,
-                                 self.prefix_table[targets])
-        capped = softcap(x @ self.lm_head[:, s.rows].to(x.dtype)) - s.log_q  # [T, P]
-        return training_loss(capped, s.target_index, cfg.mtp_weights, cfg.prefix_weight,
-                             s.prefix_index)
+        capped = softcap(self.fp8.matmul(x, self.lm_head, which="lm_head"))  # [T, V]
+        return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight,
+                             self.prefix_table[targets])
 
     def eval_ce(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
                 ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:

@@ -52,8 +52,7 @@ def training_loss(capped: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_w
                   prefix_targets: Tensor) -> Tensor:
     """Per-token training loss [T] float32: MTP-weighted CE + prefix_weight * prefix CE.
 
-    capped float32 [T, V'] (V' = V, or P candidates for the sampled loss, whose ids then index the
-    candidate rows), targets int64 [T], prefix_targets int64 [T] (-1: no prefix term)."""
+    capped float32 [T, V], targets int64 [T], prefix_targets int64 [T] (-1: no prefix term)."""
     lse = torch.logsumexp(capped, dim=-1)  # [T]
     ids, valid = shifted_targets(targets, mtp_weights.shape[0])  # [T, N]
     picked = capped.gather(1, ids)  # [T, N]

@@ -1,9 +1,9 @@
 """Rotary position tables with YaRN window extension: three address-stable instances on the GPT.
 
 What it replaces: HEAD modded-nanogpt's `Yarn` (train_gpt.py:988-1055), whose `reset()` re-created
-its table tensors. Here `apply()` and `reset()` only ever `copy_` into the registered buffers, so a
-CUDA graph that baked the tables' addresses stays valid across stage transitions and the
-post-warmup reset.
+its table tensors. Here `extend_window()` and `reset()` only ever `copy_` into the registered
+buffers, so a CUDA graph that baked the tables' addresses stays valid across stage transitions and
+the post-warmup reset.
 
 Math (modded-nanogpt record facts 1.3):
 - half-truncated RoPE: head_dim/4 frequencies (1/1024)^linspace(0, 1, head_dim/4), each shared by an
@@ -11,9 +11,9 @@ Math (modded-nanogpt record facts 1.3):
   stationary (frequency 0).
 - positions are absolute positions in the packed per-rank buffer (RoPE is relative, so documents
   need no per-document offset).
-- YaRN `apply(old, new)`: per frequency f, r = old*f/(2*pi) rotations in the old window,
-  w = clamp((r - 1)/31, 0, 1), f <- f*(s + w*(1 - s)) with s = old/new; attention softmax scale
-  x (1 + 0.2 ln(new/old)), starting at 0.1: 0.1 -> 0.11695 -> 0.12752 -> 0.13178 over windows
+- YaRN `extend_window(old, new)` (HEAD's `apply`): per frequency f, r = old*f/(2*pi) rotations in
+  the old window, w = clamp((r - 1)/31, 0, 1), f <- f*(s + w*(1 - s)) with s = old/new; attention
+  softmax scale x (1 + 0.2 ln(new/old)), starting at 0.1: 0.1 -> 0.11695 -> 0.12752 -> 0.13178 over windows
   384 -> 896 -> 1408 -> 1664.
 - `paired=True` (the `yarn_paired_head` instance): rows are 2*head_dim wide; row t holds the
   head_dim table at position 2t followed by the one at 2t+1 (paired-head attention interleaves the
@@ -94,13 +94,9 @@ class Yarn(nn.Module):
         return angle.cos().float(), angle.sin().float()
 
     @torch.no_grad()
-    def apply(self, old_window, new_window: int | None = None):
-        """Extend the context from old_window to new_window tokens, in place (eager only).
-
-        The name is HEAD's; nn.Module.apply(fn) recurses into children as child.apply(fn), so a
-        single callable argument is forwarded to it to keep GPT.apply(init_fn) working."""
-        if new_window is None and callable(old_window):
-            return super().apply(old_window)
+    def extend_window(self, old_window: int, new_window: int):
+        """Extend the context from old_window to new_window tokens, in place (eager only). HEAD
+        calls this `apply`, which would override nn.Module.apply(fn) with another meaning."""
         if old_window <= 0 or new_window <= 0:
             raise ValueError(f"YaRN windows must be positive (old={old_window}, new={new_window})")
         self._set_freqs(yarn_frequencies(self.freqs, old_window, new_window))

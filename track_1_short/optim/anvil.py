@@ -77,7 +77,7 @@ Shard(0) over the padded global shape. Loading requires the same world size and 
 
 Provenance: facts sections 3 and 4 (modded-nanogpt records through #342, NorMuon PR, Polar
 Express PR #253, cautious weight decay PR #172). Deviations: fp32 master instead of the mantissa
-buffer; no sparse bigram comms (n-gram rows are NgramTable's update); no Triton XXT kernels.
+buffer; no sparse bigram comms (n-gram rows are NgramStore's update); no Triton XXT kernels.
 
 Legend: W world size, M matrices in a bank view, K = M/W owned matrices, R rows, C cols,
 D0 a sharded table's dim 0, Dp = ceil(D0/W) owned rows, S per-step values, NG grouped Adam params.

@@ -10,7 +10,7 @@ rule names the field to change (tests/test_anvil_math.py has one test per rule).
 
 Provenance: facts sections 3 (momentum schedule, Adam every other step) and 4.1/4.2 (per-parameter
 betas, lr_mul, wd_mul, comm mode). Deviations: the table covers this package's model names
-(value_embeds through ValueEmbedPull, no bigram table: the n-gram rows are NgramTable's own sparse
+(value_embeds through ValueEmbedPull, no bigram table: the n-gram rows are NgramStore's own sparse
 update, not the optimizer's); names of a compiled model ("_orig_mod.") are matched without that
 prefix.
 """

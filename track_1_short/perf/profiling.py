@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from track_1_short.report import write_json_atomic
+from track_1_short.atomic_io import write_json_atomic
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 

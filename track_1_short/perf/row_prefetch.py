@@ -4,9 +4,9 @@ micro-step's forward and backward replays so it hides under the backward.
 What it replaces: HEAD modded-nanogpt's sparse bigram comms (facts 4.3: gloo all_to_all of counts
 right after the batch is produced, NCCL all_to_all of the row ids between forward and backward, only
 for world_size 8 and grad_accum 1). Here the same idea covers any world size and any number of
-micro-steps, for the row pull of NgramTable (DESIGN section 2, "row_prefetch").
+micro-steps, for the row pull of NgramStore (DESIGN section 2, "row_prefetch").
 
-Two phases (NgramTable module docstring has the exchange details):
+Two phases (perf/ngram_store.py's docstring has the exchange details):
 - `issue(loader)`, phase A, after `runner.forward` and before `runner.backward`: takes the next
   micro-batch from the LookaheadLoader (which may belong to the next step), computes its row ids,
   their unique set, per-owner counts and the id all_to_all_single (NCCL on GPU, gloo on CPU). On
@@ -20,7 +20,7 @@ Two phases (NgramTable module docstring has the exchange details):
 On one rank both are local (no collective); the interface and the returned (ids, slots) are the
 same. Every rank must call issue/slots_for in the same order (they are collectives when W > 1).
 
-What must stay stable: nothing here is baked into a graph (the cache is NgramTable's); a pending
+What must stay stable: nothing here is baked into a graph (the cache is the lookup's); a pending
 request holds only ids. Ownership: the peeked batch's tensors are allocated on the side stream and
 handed to the compute stream in slots_for (wait_stream + record_stream), after which the caller owns
 them as it owns any BatchLoader batch.
@@ -49,7 +49,7 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from track_1_short.ngram_table import NgramTable, RowRequest
+from track_1_short.perf.ngram_store import NgramStore, RowRequest
 
 
 class LookaheadLoader:
@@ -97,7 +97,7 @@ def _tensors(batch) -> list[Tensor]:
 class RowPrefetch:
     """Holds at most one pending phase-A request: the next micro-batch's ids (and their exchange)."""
 
-    def __init__(self, table: NgramTable):
+    def __init__(self, table: NgramStore):
         self.table = table
         self.stream = None  # CUDA side stream of phase A (made on first CUDA use)
         self._pending: tuple[object, Tensor, RowRequest | None] | None = None  # (batch, ids [2T], req)
@@ -108,7 +108,7 @@ class RowPrefetch:
         return self.table.world_size > 1
 
     def _side(self):
-        device = self.table.cache.device
+        device = self.table.lookup.cache.device
         if device.type != "cuda":
             return nullcontext()
         if self.stream is None:
@@ -124,7 +124,7 @@ class RowPrefetch:
             raise RuntimeError("RowPrefetch.issue: the previous request was never used by slots_for")
         with self._side():
             batch = loader.peek()  # H2D copies on the side stream
-            ids = self.table.row_ids(batch.inputs)  # [2T]
+            ids = self.table.lookup.row_ids(batch.inputs)  # [2T]
             self._pending = (batch, ids, self.table.request_rows(ids))
         return batch
 
@@ -143,7 +143,7 @@ class RowPrefetch:
         ngram_slots [2T]). Uses the pending request when it was issued for this very tensor."""
         pending, self._pending = self._pending, None
         if pending is None:
-            ids = self.table.row_ids(inputs)
+            ids = self.table.lookup.row_ids(inputs)
             return ids, self.table.slots_for(inputs, ids)
         batch, ids, request = pending
         if batch.inputs is not inputs:

@@ -9,8 +9,9 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
   2. attention backend: a per-device choice the compiled forward specializes on;
   3. fp8 matmuls resolved: they need the device, and change what the compiled forward traces;
-  4. n-gram table sharded (several ranks): before the optimizer and any capture or census, as
-     both bake the table's shard;
+  4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
+     sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
+     ranks): before the optimizer and any capture or census, as both bake the table's shard;
   5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
      takes value_embeds' gradient buffer;
   6. compile: wraps the model as it now is (every later change would be a recompile);
@@ -34,6 +35,7 @@ from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
+from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
 from track_1_short.report import MetricsLog
 from track_1_short.schedule import Schedule, StepPlan
@@ -53,7 +55,7 @@ def forward_configs(plans: list[StepPlan], device: torch.device) -> tuple[Forwar
     return tuple(ForwardScheduleConfig(
         mtp_weights=torch.tensor(plan.mtp_weights, dtype=torch.float32, device=device),
         prefix_weight=torch.tensor(plan.prefix_weight, dtype=torch.float32, device=device),
-        sampled_loss=None, ws_short=plan.ws_short, ws_long=plan.ws_long,
+        ws_short=plan.ws_short, ws_long=plan.ws_long,
         train_max_seq_len=plan.max_seq_len) for plan in plans)
 
 
@@ -114,8 +116,9 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device)  # 1.-3.
+    ngram = NgramStore(model.ngram_table)  # 4. the table behind the model's lookup (its cache)
     if ctx.world_size > 1:
-        model.ngram_table.shard(ctx.rank, ctx.world_size)  # 4.
+        ngram.shard(ctx.rank, ctx.world_size)
     optimizer = build_optimizer(cfg, model, ctx)  # 5.
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:  # 6.
@@ -133,7 +136,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
                               ngram_ring_slots=cfg.schedule.ngram_cycle * spec.micro_steps)
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
-                     runner=runner, prefetch=RowPrefetch(model.ngram_table), prefix_table=prefix)
+                     runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram), prefix_table=prefix)
 
 
 def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:

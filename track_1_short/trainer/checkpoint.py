@@ -34,9 +34,10 @@ Loading copies into the existing tensors (DCP loads in place), so no address a s
 moves. Optimizer shards load on the same world size only.
 
 The trainer's state (`save_run` / `resume_run`, from the spec, the step parts and the progress):
-"model" (every parameter and persistent buffer, replicated: n-gram table + its Adam state, YaRN
-tables, fp8 scales, prefix table), "optim_rank<r>" (rank r's optimizer shards) and
-"ngram_rank<r>" (rank r's n-gram rows and their Adam state, when sharded).
+"model" (every parameter and persistent buffer, replicated: YaRN tables, fp8 scales, the prefix
+table, the n-gram sign buffer), "optim_rank<r>" (rank r's optimizer shards) and "ngram_rank<r>"
+(rank r's n-gram rows, their Adam state and update count: perf/ngram_store.py; on one rank, the
+whole table).
 """
 
 from __future__ import annotations
@@ -253,19 +254,12 @@ def load_checkpoint(info: CheckpointInfo, state: dict) -> None:
 
 # ---------------------------------------------------------------- the trainer's state
 
-SHARDED_BUFFERS = ("ngram_table.table", "ngram_table.exp_avg", "ngram_table.exp_avg_sq")
-
-
 def training_state(spec: RunSpec, parts: StepParts) -> dict:
-    """The DCP state dict: replicated model state under "model", each rank's shards under its own
-    keys (optimizer state; the n-gram table's row slice and its Adam state when sharded)."""
-    model = parts.model.state_dict()
+    """The DCP state dict: the model's parameters and buffers, replicated, under "model"; this
+    rank's optimizer shards and n-gram rows (table, Adam moments, update count) under its keys."""
     rank = spec.ctx.rank
-    state = {f"optim_rank{rank}": parts.optimizer.state_dict()}
-    if spec.ctx.world_size > 1:
-        state[f"ngram_rank{rank}"] = {k: model.pop(k) for k in SHARDED_BUFFERS}
-    state["model"] = model
-    return state
+    return {f"optim_rank{rank}": parts.optimizer.state_dict(),
+            f"ngram_rank{rank}": parts.ngram.state_dict(), "model": parts.model.state_dict()}
 
 
 def save_run(spec: RunSpec, parts: StepParts, progress: Progress, steps_done: int) -> Path | None:

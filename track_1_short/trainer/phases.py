@@ -80,7 +80,7 @@ def _flush_gap(run: Run, visits: list[int], i: int) -> None:
     """The steps the visit plan skips after visit i would have applied the held n-gram gradients
     (an event comes every ngram_cycle steps); without this the next block overflows the ring
     (cycle x micro_steps slots). Collective: every rank has the plan."""
-    ngram, step = run.parts.model.ngram_table, visits[i]
+    ngram, step = run.parts.ngram, visits[i]
     if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
         ngram.update_event(step, run.spec.plans[step].lr_mul)
 

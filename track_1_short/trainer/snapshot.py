@@ -33,7 +33,8 @@ def restore_state(parts: StepParts, snap: dict) -> None:
     for name, p in model.named_parameters():
         p.copy_(snap["params"][name])
         p.grad = None
-    model.ngram_table.reset()
+    model.ngram_table.reset()  # the lookup: row cache and sinks
+    parts.ngram.reset()  # the store: the table slice, its Adam state, held gradients
     model.reset_yarn()
     for name, b in model.named_buffers():
         if name in snap["buffers"]:

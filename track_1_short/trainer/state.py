@@ -8,7 +8,7 @@ The four parts, in the order they come to exist (trainer/lifecycle.py):
   RunSpec    what this run is: config, ranks, schedule and its per-step plans, the run dir. Built
              once from the config (build.make_spec), frozen; read by everything, written by nothing.
   StepParts  what a step runs: the model and its compiled forms, the optimizer, the step runner
-             (graphs or eager), the n-gram row prefetch. Built once by build.prepare_model; the
+             (graphs or eager), the n-gram store and its row prefetch. Built once by build.prepare_model; the
              step graphs bake their tensors, so nothing rebinds them afterwards.
   Progress   where the run stands: steps done, the train clock, the val curve, the loader, the
              last checkpoint. Advanced by the timed run; saved and restored by checkpoints.
@@ -37,7 +37,8 @@ from track_1_short.trainer.timing import StepTimer, SyncCounter
 
 if TYPE_CHECKING:
     from track_1_short.model.gpt import GPT, ForwardScheduleConfig
-    from track_1_short.perf.cuda_graphs.step_graphs import EagerStep, StepGraphs
+    from track_1_short.perf.cuda_graphs.step_runner import StepRunner
+    from track_1_short.perf.ngram_store import NgramStore
     from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
     from track_1_short.trainer.stop import GracefulStop
 
@@ -81,7 +82,8 @@ class StepParts:
     forward_fn: Callable  # the compiled model (or the model itself with --no-compile)
     eval_fn: Callable  # the compiled model.eval_ce (or itself)
     optimizer: Optimizer
-    runner: StepGraphs | EagerStep
+    runner: StepRunner
+    ngram: NgramStore  # the n-gram table (this rank's rows), held gradients, update events
     prefetch: RowPrefetch
     prefix_table: Tensor  # int64 [V], installed into the model before the timed run
 

@@ -30,7 +30,7 @@ def train_step(spec: RunSpec, parts: StepParts, step: int, loader: LookaheadLoad
     state, so the warmup may run a step twice or jump over a stage's first step."""
     plan, model, runner = spec.plans[step], parts.model, parts.runner
     model.set_yarn_window(plan.ws_long)  # at a ws_long change: YaRN tables in place, scales move
-    ngram, fwd_cfg = model.ngram_table, spec.fwd_cfgs[step]
+    ngram, fwd_cfg = parts.ngram, spec.fwd_cfgs[step]
     total = torch.zeros((), device=spec.ctx.device)
     for micro in range(spec.micro_steps):
         batch = loader.next_batch()
@@ -60,7 +60,7 @@ def evaluate(spec: RunSpec, parts: StepParts, val_tokens, ws_short: int, ws_long
     """Mean per-token CE over the validation tokens (every rank's slices, reduced)."""
     dcfg, ctx = spec.cfg.data, spec.ctx
     T = dcfg.val_tokens_per_batch  # the preflight checked that every rank gets a batch
-    ngram = parts.model.ngram_table
+    ngram = parts.ngram
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     count = torch.zeros((), dtype=torch.float64, device=ctx.device)
     batches = list(val_batches(val_tokens, T, dcfg.val_cu_seqlens_rows, ctx.rank, ctx.world_size,

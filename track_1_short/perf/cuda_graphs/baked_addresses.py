@@ -8,10 +8,9 @@ keeps using the old memory: wrong results with no error (cuda_graph_anchors.md s
 point 4: vLLM #48941, TransformerEngine PRs #2044 and #869). PyTorch checks only slices of this
 (opt-in liveness of external inputs); this is the whole set, anchors section 5 item 3.
 
-What it covers: every named parameter and every named buffer of the model, every
+What it covers: every named parameter and every named buffer of the model and every
 `step_runner.baked_tensors()` entry (static inputs, n-gram sinks and ring, value_embeds'
-grad_accum, sampled-softmax candidate buffers, the persistent gradient accumulators), and any
-`extra` (role, tensor) pairs the trainer adds (e.g. optimizer state the optimizer graphs will read).
+grad_accum, the persistent gradient accumulators).
 
 Call order: train.py after the warmup: `before = take_census(...)`, post-warmup reset (in place),
 `compare(before, take_census(...))` (fatal CensusError naming each changed role), then
@@ -22,7 +21,6 @@ Deviations: none.
 """
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -56,7 +54,7 @@ class Census:
                            for role, e in self.entries.items()}, sort_keys=True)
 
 
-def take_census(model: nn.Module, step_runner, extra: Iterable[tuple[str, Tensor]] = ()) -> Census:
+def take_census(model: nn.Module, step_runner) -> Census:
     """Snapshot of every address the step graphs depend on (`step_runner`: StepGraphs or EagerStep,
     anything with baked_tensors())."""
     census = Census()
@@ -66,8 +64,6 @@ def take_census(model: nn.Module, step_runner, extra: Iterable[tuple[str, Tensor
         census.add(f"buffer:{name}", buffer)
     for role, tensor in step_runner.baked_tensors():
         census.add(f"baked:{role}", tensor)
-    for role, tensor in extra:
-        census.add(f"extra:{role}", tensor)
     return census
 
 

@@ -12,9 +12,9 @@ contract: a key without a checked capture is fatal, never a silent eager step or
 Why this is cheaper than the alternatives: every capture is paid in the untimed warmup (compile
 ~90 s for the first key, ~80 s per further key on the H200, facts section 8); the timed run only
 replays. A key is what the compiled model specializes on: shapes (tokens, cu_seqlens length, MTP
-targets, sampled-softmax candidates) and the Python ints it bakes (windows, max_seq_len).
+targets) and the Python ints it bakes (windows, max_seq_len).
 
-What must stay stable: the key derivation must agree with step_graphs.live_key() on a real batch;
+What must stay stable: the key derivation must agree with step_runner.live_key() on a real batch;
 both read the same fields, and StepGraphs.forward() raises when they disagree.
 
 Call order: train.py, before warmup: `keys = step_keys(schedule)`, `visits =
@@ -26,7 +26,6 @@ Deviations: the list is derived, not written out; the span around each transitio
 Adam cadence and the n-gram cycle so both parities and every held-gradient ring slot are exercised.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,18 +38,12 @@ class StepGraphKey(NamedTuple):
     tokens: int  # T per rank per micro-step
     cu_seqlens_rows: int  # fixed length of cum_seqlens (padded with zero-length documents)
     mtp_targets: int  # number of multi-token-prediction weights
-    candidates: int  # sampled-softmax candidate rows P (0: full softmax)
     ws_short: int
     ws_long: int
     max_seq_len: int
 
 
-def _no_candidates(step: int) -> int:
-    return 0
-
-
-def step_keys(schedule: Schedule, candidates_for_step: Callable[[int], int] = _no_candidates, *,
-              num_steps: int | None = None) -> list[StepGraphKey]:
+def step_keys(schedule: Schedule, *, num_steps: int | None = None) -> list[StepGraphKey]:
     """The key of every training step, indexed by step. `num_steps` (default: the whole schedule)
     truncates a shortened run (--max-steps), so seal() only demands the keys it reaches."""
     keys = []
@@ -58,14 +51,11 @@ def step_keys(schedule: Schedule, candidates_for_step: Callable[[int], int] = _n
         plan = schedule.plan(step)
         keys.append(StepGraphKey(
             tokens=plan.tokens_per_rank, cu_seqlens_rows=plan.cu_seqlens_rows,
-            mtp_targets=len(plan.mtp_weights), candidates=candidates_for_step(step),
-            ws_short=plan.ws_short, ws_long=plan.ws_long, max_seq_len=plan.max_seq_len))
+            mtp_targets=len(plan.mtp_weights), ws_short=plan.ws_short, ws_long=plan.ws_long, max_seq_len=plan.max_seq_len))
     return keys
 
 
-def warmup_visit_plan(schedule: Schedule,
-                      candidates_for_step: Callable[[int], int] = _no_candidates, *,
-                      num_steps: int | None = None) -> list[int]:
+def warmup_visit_plan(schedule: Schedule, *, num_steps: int | None = None) -> list[int]:
     """Sorted steps the untimed warmup runs (each a full train_step with its optimizer step).
 
     Covers: the first `span` steps (both Adam parities, one whole n-gram cycle so every ring slot
@@ -80,7 +70,7 @@ def warmup_visit_plan(schedule: Schedule,
     visits = set(range(min(span, limit)))
     for transition in schedule.transitions():
         visits.update(range(max(0, transition.step - span), min(limit, transition.step + span)))
-    keys = step_keys(schedule, candidates_for_step, num_steps=limit)
+    keys = step_keys(schedule, num_steps=limit)
     repeats = []
     for key in dict.fromkeys(keys):
         served = [step for step, k in enumerate(keys) if k == key]
@@ -120,7 +110,7 @@ def key_uses(keys: list[StepGraphKey], visits: list[int]) -> list[KeyUse]:
 
 def describe_plan(schedule: Schedule, keys: list[StepGraphKey], visits: list[int]) -> str:
     """Human-readable table printed at start: one row per key."""
-    header = ("tokens", "cu", "mtp", "cand", "ws_s", "ws_l", "msl", "steps", "first", "last",
+    header = ("tokens", "cu", "mtp", "ws_s", "ws_l", "msl", "steps", "first", "last",
               "warmup visits")
     rows = [header]
     for use in key_uses(keys, visits):

@@ -22,7 +22,7 @@ The GRAPH BACKEND abstraction lets step_graphs.py run unchanged on CPU in tests:
                             and inputs are read from the static buffers at replay time, as on the
                             GPU. What it cannot reproduce: a graph baking a Python value or a stale
                             address (it re-runs Python, so it reads everything live). Those are
-                            covered by the YaRN/sampled-loss identity checks, the census
+                            covered by the YaRN attention-scale checks, the census
                             (baked_addresses.py) and the GPU tests (tests/test_step_graphs_gpu.py).
 
 What must stay stable: `loss_grads` is the one definition of the captured backward; warm
@@ -46,10 +46,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-# Eager iterations of the step on the side stream before its capture: the first compiles (dynamo,
-# inductor, Triton autotuning), the rest settle lazily allocated state (fp8 caches, allocator
-# blocks) so the capture records steady-state kernels. 3 as in torch's whole-network example.
-WARM_ITERATIONS = 3
+# Defined with the config (torch-free); imported here under the seed's name for it.
+from track_1_short.perf.cuda_graphs.graphs_config import WARM_ITERATIONS  # noqa: F401
 
 # Substrings of the errors CUDA/PyTorch raise when a captured region does something a capture
 # forbids (a host sync, a blocking allocation, a query of the capturing stream).

@@ -9,7 +9,7 @@ runs ahead of the device. Record #360 measured ~3.0 s over the run for this and 
 
 What is captured, per key (capture_plan.StepGraphKey: shapes and Python values the compiled model
 specializes on):
-    forward   training_loss(): the model's per-token loss, summed
+    forward   step_runner.training_loss(): the model's per-token loss, summed
     backward  capture_support.loss_grads(): gradients w.r.t. every parameter and the n-gram sink
 Between the two replays the host runs the eager row-pull id exchange (perf/row_prefetch.py), so the
 all_to_all hides under the backward exactly as it does without graphs.
@@ -18,31 +18,23 @@ What must stay address-stable (a replay reads and writes the addresses the captu
 - the per-key StaticInputs owned here: inputs, targets, cum_seqlens, n-gram cache slots, MTP and
   prefix weights; each step copies its batch into them before the forward replay
 - every parameter's .data and every model buffer (fp8 scales, YaRN tables, n-gram row
-  cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks), value_embeds'
-  gradient buffer (ValueEmbedPull.grad_accum), the sampled-softmax candidate buffers, and the
-  persistent gradient accumulators and n-gram ring owned here.
+  cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks, the model's
+  lookup), value_embeds' gradient buffer (ValueEmbedPull.grad_accum), and the persistent gradient
+  accumulators and n-gram ring (grad_handoff.py) owned here.
 baked_addresses.py censuses all of them (baked_tensors() reads them live from their owners) before
 and after the post-warmup reset. Python values the capture froze: the key (checked against the
-schedule at every forward), the three YaRN attention scales and the sampled-loss object (re-checked
-at every replay).
+schedule at every forward) and the three YaRN attention scales (re-checked at every replay).
 
-Gradients (GradHandoff; identical in the eager twin): the captured backward writes each gradient
-into its own pool buffer, rewritten by the next replay of that key; no AccumulateGrad runs. ANVIL
-banks take the graph's buffer as p.grad (their reduce-scatter reads it before the next backward);
-Adam parameters, stepped every `adam_every` steps on the summed gradient, go through one persistent
-accumulator per parameter: copy on the first step of the cycle, add on the others, decided from
-the cadence (not from `p.grad is None`, which breaks when the optimizer keeps .grad). With
-grad_accum_steps > 1 (fewer than 8 GPUs) ANVIL banks get persistent accumulators as well. The
-n-gram sink gradient is held by the table until its update event, up to MAX_CYCLE_STEPS steps, so a
-non-event step's copy goes to a private ring slot (hold_ngram_grad).
+Gradients: the captured backward writes each gradient into its own pool buffer, rewritten by the
+next replay of that key; no AccumulateGrad runs. GradHandoff (grad_handoff.py, shared with the
+eager twin) sets p.grad from them: ANVIL banks take the graph's buffer, Adam parameters (and
+ANVIL banks under gradient accumulation) a persistent accumulator, by the optimizer's cadence.
+The n-gram sink gradient is held by the store until its update event, up to MAX_CYCLE_STEPS
+steps, so a non-event micro-step's copy goes to a private slot of the NgramGradRing
+(hold_ngram_grad).
 
-Call order per micro-step (train_step, warmup and timed alike; EagerStep has the same interface):
-    loss = runner.forward(step, batch, ngram_slots, cfg, micro_step=m)   # graph memory
-    <row_prefetch id exchange for the next step>
-    ngram_grad = runner.backward()                                         # sets p.grad
-    held = runner.hold_ngram_grad(ngram_grad, pending, event_this_step)
-    optimizer phases (read p.grad before the next backward)
-After warmup: post-warmup reset, census compared, runner.seal().
+Call order per micro-step: step_runner.py (StepGraphs and EagerStep, eager_step.py, are both a
+StepRunner). After warmup: post-warmup reset, census compared, runner.seal().
 
 Capture protocol: the first warmup visit of a key runs WARM_ITERATIONS eager iterations on the side
 stream and captures both graphs (capture_support), then replays the forward; the second visit
@@ -51,16 +43,24 @@ on the same buffers (an op that is not capture-safe can replay a right loss and 
 The eager forward runs with grad mode on, so it reuses the key's compiled graph. seal() then makes
 a missing or unchecked key fatal. `--graphs check` repeats the loss self-check on a deterministic
 sample of timed steps (not the gradient check: its eager backward would add to value_embeds'
-gradient buffer a second time). Guards are `if ...: raise StepGraphError`, never `assert` (they must survive -O).
+gradient buffer a second time). Guards are `if ...: raise StepGraphError`, never `assert` (they
+must survive -O).
 
 Provenance: record #360 (ANVIL2) `_CGraphRunner` (fwd/bwd, `_acc`, `_sink_flat` ring,
 `_selfcheck_now`, `seal`), via shared/reference/step_graphs_seed.py. Deviations from the seed: the
 device calls go through a GraphBackend (CPU stand-in for tests); Adam accumulation follows the
 cadence, not `p.grad is None`; micro-steps (gradient accumulation) are supported; the n-gram ring
 is sized from the sink gradient's width (the table's row width) and allocated at the first
-capture in its dtype; seal()
-also checks that every key produces gradients for the same parameters; per-key capture/replay
-statistics (capture_report); no host run-ahead throttle (every pinned ring is event-guarded).
+capture in its dtype; seal() also checks that every key produces gradients for the same
+parameters; per-key capture/replay statistics (capture_report); no host run-ahead throttle (every
+pinned ring is event-guarded); no sampled softmax: the seed's `candidates` key field, its
+`cfg.sampled_loss` identity check and its candidate buffers in baked_tensors() are gone, because
+no config enabled it, its per-step refill synced the host (torch.unique), and the full softmax is
+what loss parity with the record needs (docs/LOG.md, 2026-12-01).
+
+Re-exported here under the seed's names: StepGraphsConfig and the self-check constants
+(graphs_config.py), GradHandoff (grad_handoff.py), EagerStep (eager_step.py), StepRunner,
+training_loss, live_key, check_key (step_runner.py), StepGraphError (capture_support.py).
 """
 
 from __future__ import annotations
@@ -68,62 +68,36 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from track_1_short.data import Batch
+from track_1_short.constants import MAX_CYCLE_STEPS
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import (
-    WARM_ITERATIONS, CudaGraphBackend, GraphBackend, StepGraphError, loss_grads, paused_gc, warm_up)
-from track_1_short.schedule import MAX_CYCLE_STEPS
+    CudaGraphBackend, GraphBackend, StepGraphError, loss_grads, paused_gc, warm_up)
+from track_1_short.perf.cuda_graphs.eager_step import EagerStep
+from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, NgramGradRing
+from track_1_short.perf.cuda_graphs.graphs_config import (
+    GRAPH_MODES, SELF_CHECK_ABS, SELF_CHECK_GRAD_REL, SELF_CHECK_REL, StepGraphsConfig)
+from track_1_short.perf.cuda_graphs.step_runner import StepRunner, check_key, live_key, training_loss
 
 if TYPE_CHECKING:
+    from track_1_short.data import Batch
     from track_1_short.model.gpt import ForwardScheduleConfig
     from track_1_short.ngram_table import NgramTable
     from track_1_short.optim.anvil import AnvilAndAdam
     from track_1_short.perf.value_embed_pull import ValueEmbedPull
 
+__all__ = ["GRAPH_MODES", "SELF_CHECK_ABS", "SELF_CHECK_GRAD_REL", "SELF_CHECK_REL", "EagerStep",
+           "GradHandoff", "StepGraphError", "StepGraphs", "StepGraphsConfig", "StepRunner",
+           "check_key", "live_key", "make_step_runner", "sampled_check_steps", "step_inputs",
+           "training_loss"]
+
 # Shapes: T tokens of the key, C cu_seqlens rows, n MTP targets, D n-gram row width.
-
-# The self-check compares scalar losses of two runs of the same kernels; atomics in the loss kernels
-# make them not bitwise equal (record #360's tolerance).
-SELF_CHECK_ABS, SELF_CHECK_REL = 1e-3, 5e-4
-# The warmup self-check also compares every gradient the backward graph wrote with an eager backward
-# on the same buffers: ||replay - eager|| <= SELF_CHECK_GRAD_REL * max(||eager||, floor), floor =
-# 1e-6 * the norm of all gradients (gradients that are zero up to rounding at init: facts of the
-# GPU tests). A graph can replay the right loss and wrong gradients (an op that is not capture-safe
-# in the backward), so the loss check alone is not enough.
-SELF_CHECK_GRAD_REL = 1e-2
-GRAPH_MODES = ("on", "off", "check")
-
-
-@dataclass(slots=True, kw_only=True)
-class StepGraphsConfig:
-    """`--graphs {on,off,check}` and the self-check knobs."""
-
-    mode: str = "on"  # on: graphs; off: EagerStep; check: graphs + sampled self-checks when timed
-    check_fraction: float = 0.01  # share of timed steps self-checked in mode "check"
-    seed: int = 0  # seeds the choice of checked steps (same on every rank)
-    self_check_abs: float = SELF_CHECK_ABS
-    self_check_rel: float = SELF_CHECK_REL
-    self_check_grad_rel: float = SELF_CHECK_GRAD_REL
-    warm_iterations: int = WARM_ITERATIONS
-    sync_debug_warmup: bool = False  # warm iterations after the first under sync debug "error"
-
-    def __post_init__(self):
-        if self.mode not in GRAPH_MODES:
-            raise ValueError(f"mode={self.mode!r}: --graphs must be one of {GRAPH_MODES}")
-        if not 0.0 <= self.check_fraction <= 1.0:
-            raise ValueError(f"check_fraction={self.check_fraction} must be in [0, 1]")
-        if min(self.self_check_abs, self.self_check_rel, self.self_check_grad_rel) < 0:
-            raise ValueError("self_check_abs, self_check_rel and self_check_grad_rel must be >= 0")
-        if self.warm_iterations < 1:
-            raise ValueError(f"warm_iterations={self.warm_iterations} must be >= 1 (the first "
-                             f"compiles; capturing a compile is not possible)")
 
 
 @dataclass(slots=True)
@@ -146,97 +120,6 @@ def step_inputs(batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig):
     """This step's tensors, in StaticInputs order."""
     return (batch.inputs, batch.targets, batch.cum_seqlens, ngram_slots, cfg.mtp_weights,
             cfg.prefix_weight)
-
-
-def live_key(batch: Batch, cfg: ForwardScheduleConfig) -> StepGraphKey:
-    return StepGraphKey(
-        tokens=batch.inputs.numel(),
-        cu_seqlens_rows=batch.cum_seqlens.numel(),
-        mtp_targets=cfg.mtp_weights.numel(),
-        candidates=0 if cfg.sampled_loss is None else cfg.sampled_loss.rows.shape[0],
-        ws_short=cfg.ws_short,
-        ws_long=cfg.ws_long,
-        max_seq_len=cfg.train_max_seq_len,
-    )
-
-
-def check_key(step: int, batch: Batch, cfg: ForwardScheduleConfig,
-              step_keys: list[StepGraphKey]) -> StepGraphKey:
-    """The live key, which must be the schedule's key of `step`: a replay cannot re-run dynamo's
-    guards, and a new shape would mean a new graph (or, eagerly, a recompile)."""
-    if not 0 <= step < len(step_keys):
-        raise StepGraphError(f"step {step}: outside the planned training steps [0, {len(step_keys)})")
-    key = live_key(batch, cfg)
-    if key != step_keys[step]:
-        raise StepGraphError(f"step {step}: live key {key} != schedule key {step_keys[step]}; the "
-                             f"batch or forward config does not match the schedule")
-    return key
-
-
-def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor,
-                  ngram_slots: Tensor, cfg: ForwardScheduleConfig, ngram_sink: Tensor,
-                  value_embed_grad: Tensor, grad_scale: float = 1.0) -> Tensor:
-    """THE step loss (0-d): the single definition run by the capture, the warm iterations, the
-    self-check and the eager twin. grad_scale = 1 / grad_accum_steps (a constant of the run): with
-    the optimizer's AVG over ranks, every world size then sees the mean over the step's slices."""
-    return model(inputs, targets, cum_seqlens, ngram_slots, cfg, ngram_sink=ngram_sink,
-                 value_embed_grad=value_embed_grad).sum() * grad_scale
-
-
-class GradHandoff:
-    """Sets p.grad after a backward as loss.backward() plus the optimizer's cadence would.
-
-    ANVIL (grad_accum_steps == 1): p.grad = the backward's own buffer (graph memory under graphs,
-    overwritten by the next replay of that key: the optimizer consumes it in this step).
-    Otherwise p.grad = a persistent accumulator owned here (address-stable, censused): copied on
-    the first backward of its accumulation cycle, added on the others.
-    """
-
-    __slots__ = ("anvil_params", "adam_every", "grad_accum_steps", "accumulators")
-
-    def __init__(self, param_cfgs: dict[nn.Parameter, Any], adam_every: int, grad_accum_steps: int):
-        if adam_every < 1 or grad_accum_steps < 1:
-            raise ValueError(f"adam_every={adam_every} and grad_accum_steps={grad_accum_steps} "
-                             f"must be >= 1")
-        self.anvil_params = {p for p, cfg in param_cfgs.items() if cfg.optim == "anvil"}
-        self.adam_every = adam_every
-        self.grad_accum_steps = grad_accum_steps
-        self.accumulators: dict[nn.Parameter, Tensor] = {}
-
-    @property
-    def loss_scale(self) -> float:
-        """training_loss's grad_scale: each micro-step contributes 1 / grad_accum_steps."""
-        return 1.0 / self.grad_accum_steps
-
-    def hand_over(self, step: int, micro_step: int,
-                  grads: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
-        if not 0 <= micro_step < self.grad_accum_steps:
-            raise StepGraphError(f"step {step}: micro_step {micro_step} outside "
-                                 f"[0, grad_accum_steps={self.grad_accum_steps})")
-        adam_first = micro_step == 0 and step % self.adam_every == 0
-        copies, adds = [], []
-        for p, grad in grads:
-            anvil = p in self.anvil_params
-            if anvil and self.grad_accum_steps == 1:
-                p.grad = grad
-                continue
-            acc = self.accumulators.get(p)
-            if acc is None:
-                acc = self.accumulators[p] = torch.empty_like(grad)
-            first = micro_step == 0 if anvil else adam_first
-            (copies if first else adds).append((acc, grad))
-            p.grad = acc
-        if copies:
-            torch._foreach_copy_([acc for acc, _ in copies], [g for _, g in copies])
-        if adds:
-            torch._foreach_add_([acc for acc, _ in adds], [g for _, g in adds])
-
-
-def check_ngram_pending(pending: int, ring_slots: int) -> None:
-    if not 0 <= pending < ring_slots:
-        raise StepGraphError(f"{pending} n-gram gradients already held, ring has {ring_slots} "
-                             f"slots (cycle x micro-steps): an n-gram update event was missed or the cadence "
-                             f"exceeds MAX_CYCLE_STEPS")
 
 
 def sampled_check_steps(num_steps: int, fraction: float, seed: int) -> frozenset[int]:
@@ -311,8 +194,7 @@ class StepGraphs:
         # n-gram sink gradients held until the update event: slot i holds pending entry i of the
         # cycle. Flat [2 * max_step_tokens * D]; each key views its own [2T, D] prefix. Allocated
         # at the first capture, in the sink gradient's dtype and device.
-        self.ngram_ring_slots = ngram_ring_slots
-        self.ngram_grad_ring: list[Tensor] = []
+        self.ngram_ring = NgramGradRing(ngram_ring_slots, max_step_tokens)
         self.check_steps = (sampled_check_steps(len(self.step_keys), self.config.check_fraction,
                                                 self.config.seed)
                             if self.config.mode == "check" else frozenset())
@@ -375,11 +257,6 @@ class StepGraphs:
         if scales != cs.attn_scales:
             raise StepGraphError(f"step {step}, key {cs.key}: YaRN attention scales (yarn, "
                                  f"yarn_paired_head, yarn_wide) {scales} != captured {cs.attn_scales}")
-        # Candidate buffers of one P are allocated once, so the same object means the same addresses.
-        if cfg.sampled_loss is not cs.cfg.sampled_loss:
-            raise StepGraphError(f"step {step}, key {cs.key}: sampled_loss object "
-                                 f"{id(cfg.sampled_loss):#x} is not the captured one "
-                                 f"{id(cs.cfg.sampled_loss):#x}; refill its buffers in place")
 
     def backward(self) -> Tensor:
         """Replay the backward and set p.grad (GradHandoff). Returns the n-gram sink gradient
@@ -401,15 +278,10 @@ class StepGraphs:
         return flight.cs.ngram_grad
 
     def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """The n-gram gradient the table may keep: the graph's own buffer only if this step's update
-        event consumes it before the next replay, else a copy in ring slot `pending` (owned here,
-        rewritten when slot `pending` is used again in a later cycle)."""
-        if event_this_step:
-            return ngram_grad
-        check_ngram_pending(pending, len(self.ngram_grad_ring))
-        slot = self.ngram_grad_ring[pending][:ngram_grad.numel()].view_as(ngram_grad)
-        slot.copy_(ngram_grad)
-        return slot
+        """The n-gram gradient the store may keep: the graph's own buffer only if this step's update
+        event consumes it before the next replay, else a copy in ring slot `pending` (owned by the
+        ring, rewritten when slot `pending` is used again in a later cycle)."""
+        return self.ngram_ring.hold(ngram_grad, pending, event_this_step)
 
     # ---- capture and checks (warmup only) ----
 
@@ -439,7 +311,7 @@ class StepGraphs:
         # value_embeds' table gets None: its gradient goes to ValueEmbedPull.grad_accum instead.
         cs.grads = [(p, g) for p, g in zip(self.params, pair.grads) if g is not None]
         cs.ngram_grad = pair.grads[-1]
-        self._adopt_ngram_grad(key, cs.ngram_grad)
+        self.ngram_ring.adopt(key, cs.ngram_grad)
         self.captured[key] = cs
         self.unchecked.add(key)
         self.stats[key] = KeyStats(
@@ -447,23 +319,6 @@ class StepGraphs:
             capture_s=time.perf_counter() - start, eager_ms=eager_ms,
             pool_mib_added=None if pair.pool_bytes_added is None else pair.pool_bytes_added / 2**20)
         return cs
-
-    def _adopt_ngram_grad(self, key: StepGraphKey, ngram_grad: Tensor | None) -> None:
-        """Check the sink gradient [2T, D] and size the ring from it (D is the table's row width,
-        read from the sink the table allocated, so tiny configs work)."""
-        if ngram_grad is None or ngram_grad.dim() != 2 or ngram_grad.shape[0] != 2 * key.tokens:
-            shape = None if ngram_grad is None else tuple(ngram_grad.shape)
-            raise StepGraphError(f"key {key}: n-gram sink gradient has shape {shape}, expected "
-                                 f"[{2 * key.tokens}, D]; the forward must add grad_sink(T)")
-        dim = ngram_grad.shape[1]
-        if self.ngram_grad_ring and self.ngram_grad_ring[0].dtype != ngram_grad.dtype:
-            raise StepGraphError(f"key {key}: n-gram sink gradient dtype {ngram_grad.dtype} != "
-                                 f"ring dtype {self.ngram_grad_ring[0].dtype}")
-        if not self.ngram_grad_ring:
-            self.ngram_grad_ring = [
-                torch.empty(2 * self.max_step_tokens * dim, dtype=ngram_grad.dtype,
-                            device=ngram_grad.device)
-                for _ in range(self.ngram_ring_slots)]
 
     def _self_check(self, cs: CapturedStep, step: int) -> None:
         """Replay vs eager forward on the same buffers: catches a graph that baked an input's value or
@@ -534,7 +389,7 @@ class StepGraphs:
         yield "value_embeds.grad_accum", self.value_embeds.grad_accum
         for tokens, sink in self.ngram_table.sinks.items():
             yield f"ngram_table.sinks[{tokens}]", sink
-        for i, slot in enumerate(self.ngram_grad_ring):
+        for i, slot in enumerate(self.ngram_ring.slots):
             yield f"ngram_grad_ring[{i}]", slot
         for p, acc in self.handoff.accumulators.items():
             yield f"grad_accumulator[{self.param_names.get(p, '?')}]", acc
@@ -542,11 +397,6 @@ class StepGraphs:
             tag = "step_graph" + str(tuple(cs.key))
             for f in dataclasses.fields(cs.static):
                 yield f"{tag}.{f.name}", getattr(cs.static, f.name)
-            if cs.cfg.sampled_loss is not None:
-                for f in dataclasses.fields(cs.cfg.sampled_loss):
-                    value = getattr(cs.cfg.sampled_loss, f.name)
-                    if isinstance(value, Tensor):
-                        yield f"{tag}.sampled_loss.{f.name}", value
 
     def capture_report(self) -> list[dict]:
         """Per key: steps served, capture seconds, pool MiB added, eager vs replay ms, self-checks."""
@@ -559,67 +409,12 @@ class StepGraphs:
         return rows
 
 
-class EagerStep:
-    """The eager twin of StepGraphs (`--graphs off`): same methods, same p.grad semantics, runs the
-    compiled model directly, so train_step is one piece of code for graphs on and off."""
-
-    def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
-                 ngram_table: NgramTable, value_embeds: ValueEmbedPull, *, adam_every: int,
-                 grad_accum_steps: int = 1, ngram_ring_slots: int = MAX_CYCLE_STEPS):
-        self.model = model
-        self.params = list(optimizer.param_cfgs)
-        self.handoff = GradHandoff(optimizer.param_cfgs, adam_every, grad_accum_steps)
-        self.step_keys = list(step_keys)
-        self.ngram_table = ngram_table
-        self.value_embeds = value_embeds
-        self.ngram_ring_slots = ngram_ring_slots
-        self.in_flight: tuple[int, int, Tensor, Tensor] | None = None
-
-    def forward(self, step: int, batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig, *,
-                micro_step: int = 0) -> Tensor:
-        """Run the loss with autograd. Returns the 0-d loss, detached (the caller owns it)."""
-        check_key(step, batch, cfg, self.step_keys)
-        sink = self.ngram_table.grad_sink(batch.inputs.numel())
-        loss = training_loss(self.model, batch.inputs, batch.targets, batch.cum_seqlens,
-                             ngram_slots, cfg, sink, self.value_embeds.grad_accum,
-                             self.handoff.loss_scale)
-        self.in_flight = (step, micro_step, loss, sink)
-        return loss.detach()
-
-    def backward(self) -> Tensor:
-        """Gradients as the captured backward computes them; sets p.grad (GradHandoff). Returns
-        the n-gram sink gradient [2T, D], a fresh tensor the caller owns."""
-        if self.in_flight is None:
-            raise StepGraphError("backward() without a preceding forward()")
-        step, micro_step, loss, sink = self.in_flight
-        self.in_flight = None
-        grads = loss_grads(loss, self.params + [sink])
-        self.handoff.hand_over(step, micro_step,
-                               [(p, g) for p, g in zip(self.params, grads) if g is not None])
-        return grads[-1]
-
-    def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """No copy needed (backward() returned a fresh tensor); the ring bound is still enforced."""
-        if not event_this_step:
-            check_ngram_pending(pending, self.ngram_ring_slots)
-        return ngram_grad
-
-    def seal(self) -> None:
-        pass
-
-    def baked_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        return iter(())
-
-    def capture_report(self) -> list[dict]:
-        return []
-
-
 def make_step_runner(config: StepGraphsConfig, *, model: nn.Module, optimizer: AnvilAndAdam,
                      step_keys: list[StepGraphKey], ngram_table: NgramTable,
                      value_embeds: ValueEmbedPull, max_step_tokens: int, adam_every: int,
                      grad_accum_steps: int = 1, device: torch.device | None = None,
                      backend: GraphBackend | None = None,
-                     ngram_ring_slots: int = MAX_CYCLE_STEPS) -> StepGraphs | EagerStep:
+                     ngram_ring_slots: int = MAX_CYCLE_STEPS) -> StepRunner:
     """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `ngram_ring_slots`: most n-gram
     gradients held at once (ngram_cycle * grad_accum_steps micro-steps)."""
     if config.mode == "off":

@@ -3,7 +3,7 @@
 # bench with all three variants (eager, graphs, reduce-overhead) in one process per GPU, each
 # process on its own half of the CPU cores. (Run at the time as the same commands inline.)
 #   GPU 0: keys A_half and A        GPU 1: keys C and D
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 export TORCHINDUCTOR_COMPILE_THREADS=16
 ( CUDA_VISIBLE_DEVICES=0 timeout 540 taskset -c 0-15 python3 bench/step_graphs.py --keys A --budget-s 420 \
     --out "$OUT/step_graphs_h200_ro_A.json" > "$L/bench_A.log" 2>&1; echo "exit $? after $(elapsed) s" >> "$L/bench_A.log" ) &

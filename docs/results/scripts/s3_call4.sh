@@ -2,8 +2,8 @@
 # Device call 4 of session 3 (nvidia-h200-x2): fp8 vs bf16 side by side, and the fp8 GPU tests.
 #   GPU 0 (first half of the CPU cores): bench/model.py --fp8 at keys A and C
 #   GPU 1 (second half): bench/model.py --no-fp8 at keys A and C, then tests/test_fp8_gpu.py
-# Both benches start together on a cold compile cache. `bash scripts/gpu/s3_call4.sh`, $OUT set.
-source "$(dirname "$0")/common.sh"
+# Both benches start together on a cold compile cache. `bash docs/results/scripts/s3_call4.sh`, $OUT set.
+source scripts/gpu/common.sh  # run from the repo root
 n=$(nproc); h=$(( n / 2 ))
 export TORCHINDUCTOR_COMPILE_THREADS=$h
 ( CUDA_VISIBLE_DEVICES=0 timeout 360 taskset -c "0-$((h - 1))" python3 bench/model.py --keys A,C --fp8 \

@@ -4,7 +4,7 @@
 #          (the one key not yet measured with reduce-overhead)
 #   GPU 1 (second half): the trainer GPU tests (graphs on/off, resume, deterministic resume; -v so
 #          that tests finished before a timeout still show)
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 n=$(nproc); h=$(( n / 2 ))
 export TORCHINDUCTOR_COMPILE_THREADS=$h
 ( CUDA_VISIBLE_DEVICES=0 timeout 560 taskset -c "0-$((h - 1))" python3 bench/step_graphs.py --keys B --no-half-key \

@@ -3,7 +3,7 @@
 # off (GPU 1), side by side in one call from a cold compile cache (each process compiles its own
 # graphs; they share inductor's on-disk cache dir). GPU 0's run writes the portable compile cache.
 # Run from the repo root with $OUT set; results land in $OUT.
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 run() {  # gpu graphs run_id [extra flags]
   local gpu=$1 graphs=$2 id=$3; shift 3
   CUDA_VISIBLE_DEVICES=$gpu timeout 575 python3 -m track_1_short.train --preset small-gpu \

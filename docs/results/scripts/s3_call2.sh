@@ -2,8 +2,8 @@
 # Device call 2 of session 3 (nvidia-h200-x2, issued within the warm window after call 1, so
 # build/inductor_cache from call 1 is on disk): the small-gpu preset back to back on GPU 0,
 # `--graphs off`, then `--graphs on` if at least 300 s of the 10-minute command are left.
-# Nothing else runs on the machine meanwhile. `bash scripts/gpu/s3_call2.sh`, $OUT set.
-source "$(dirname "$0")/common.sh"
+# Nothing else runs on the machine meanwhile. `bash docs/results/scripts/s3_call2.sh`, $OUT set.
+source scripts/gpu/common.sh  # run from the repo root
 export CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=$(nproc) T1S_SYSTEM_PYTHON=1
 for mode in off on; do
   left=$(( 588 - $(elapsed) ))

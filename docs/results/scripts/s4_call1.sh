@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Planned device call 1 of the next lease (nvidia-h200-x2, cold machine): `bash scripts/gpu/s4_call1.sh`.
+# Planned device call 1 of the next lease (nvidia-h200-x2, cold machine): `bash docs/results/scripts/s4_call1.sh`.
 #   GPU 0 (first 5/8 of the CPU cores): small-gpu, graphs on, cold: the summary's phase_ms_by_stage
 #          says where the ~85 ms per step outside the micro-steps goes (stage C: 840 vs 8 x 94.5 ms),
 #          and --profile-steps 150:152 (two stage-C steps) gives their kernel table and trace
 #   GPU 1 (the rest): the fp8 GPU tests (quantisation as traced code, not yet GPU-run), then fp8
 #          vs bf16 forward + backward at keys A and C with the top kernels profiled
 # Within the warm window after it, s4_call2.sh reuses this call's inductor cache.
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 n=$(nproc); split=$(( n * 5 / 8 ))
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=$split T1S_SYSTEM_PYTHON=1 timeout 585 \
     taskset -c "0-$((split - 1))" ./run.sh --preset small-gpu --graphs on --run-id small-gpu-on-phases \

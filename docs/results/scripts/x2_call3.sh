@@ -4,7 +4,7 @@
 #   both:  NCCL AnvilAndAdam equivalence (after the contiguity fix)
 #   GPU 1: step-graph GPU tests (gradient self-check, varlen fault injection), fp8 and attention GPU tests
 # Run from the repo root with $OUT set; results land in $OUT.
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=24 timeout 570 python3 -m track_1_short.train \
     --preset small-gpu --graphs on --run-id small-gpu-graphs-on --runs-dir "$OUT/runs" \
     --compile-cache "$OUT/compile_cache.bin" --no-save-final > "$L/small_gpu_graphs_on.log" 2>&1

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device call 1 of session 3 (nvidia-h200-x2): `bash scripts/gpu/s3_call1.sh` from the repo root, $OUT set.
+# Device call 1 of session 3 (nvidia-h200-x2): `bash docs/results/scripts/s3_call1.sh` from the repo root, $OUT set.
 #   GPU 0 (CPU cores of the first 5/8): `./run.sh --preset small-gpu --graphs on`, cold compile cache,
 #          one process from start to summary (the preset's <= 10 minute bar, compile included)
 #   GPU 1 (remaining cores): NCCL tests (both GPUs, briefly), then the 1-GPU GPU tests: fp8, attention,
 #          step graphs (incl. the varlen self-check verdict), trainer (graphs on/off equivalence, resume)
 # The two sides run on disjoint CPU cores (taskset) so compile work on one side does not take the
 # other's cores. Results land in $OUT (logs and runs packed into results.tgz).
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 n=$(nproc); split=$(( n * 5 / 8 ))
 echo "cores: $n; GPU0 side 0-$((split - 1)), GPU1 side $split-$((n - 1))" >> "$L/gpus.txt"
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=$split T1S_SYSTEM_PYTHON=1 timeout 585 \

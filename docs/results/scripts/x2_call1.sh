@@ -4,7 +4,7 @@
 #   both:  NCCL tests (sharded n-gram table, AnvilAndAdam), 2-GPU optimizer and row-prefetch benches
 #   GPU 1: trainer GPU tests (graphs on/off equivalence, resume)
 # Run from the repo root with $OUT set (the device tool's output dir); results land in $OUT.
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 ( CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=16 timeout 575 python3 -m track_1_short.train \
     --preset small-gpu --graphs on --run-id small-gpu-on-cold --runs-dir "$OUT/runs" \
     --compile-cache "$OUT/compile_cache.bin" --no-save-final > "$L/small_gpu_on_cold.log" 2>&1;

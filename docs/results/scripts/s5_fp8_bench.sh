@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # fp8 (every GEMM operand layout made in traced code) against bf16 at key A, side by side:
-# `bash scripts/gpu/s5_fp8_bench.sh LIMIT_S` on nvidia-h200-x2: GPU 0 runs bench/model.py --fp8,
+# `bash docs/results/scripts/s5_fp8_bench.sh LIMIT_S` on nvidia-h200-x2: GPU 0 runs bench/model.py --fp8,
 # GPU 1 --no-fp8, each on half the cores, each with --profile-top 20 (is aten's strided fp8 copy
 # gone, and is fp8 now faster than bf16?). LIMIT_S: the device seconds left for the call.
-source "$(dirname "$0")/common.sh"
+source scripts/gpu/common.sh  # run from the repo root
 limit=${1:?usage: s5_fp8_bench.sh LIMIT_S}
 (( limit > 0 )) || { echo "s5_fp8_bench.sh: LIMIT_S must be > 0 (timeout 0 means no limit), got '$limit'" >&2; exit 2; }
 n=$(nproc); h=$(( n / 2 ))

@@ -1,0 +1,87 @@
+"""GPTConfig: every layer index and size of the GPT (model/gpt.py), in a module of its own so the
+run config (config.py) imports no runtime module. Nests the n-gram and fp8 configs.
+
+What must stay stable: nothing here holds tensors. Validated when built; every rule names the field
+to change (tests/test_model.py::test_config_validation). `tiny()` is the CPU tests' and the
+cpu-tiny preset's model.
+"""
+
+from dataclasses import dataclass, field
+
+from track_1_short.constants import PADDED_VOCAB
+from track_1_short.model.fp8_config import Fp8Config
+from track_1_short.model.ngram_config import NgramConfig
+
+BACKENDS = ("auto", "reference", "flex", "varlen", "fa3")  # attention backends (model/attention.py)
+
+
+@dataclass(slots=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = PADDED_VOCAB  # GPT-2's 50257 padded to a multiple of 128
+    num_layers: int = 11
+    model_dim: int = 768
+    num_heads: int = 6  # even: qk_bank entries are head pairs
+    head_dim: int = 128
+    mlp_hidden: int = 3072
+    long_window_layers: tuple[int, ...] = (3, 10)  # ws_long, yarn_wide, partial key offset
+    paired_head_layers: tuple[int, ...] = (0, 2, 5, 9)  # yarn_paired_head, doubled positions
+    no_attention_layer: int | None = 6
+    skip_from_layer: int = 3  # its output skips into no_attention_layer
+    value_embed_layers: tuple[int, ...] = (1, 2, 8, 9, 10)  # table k serves the k-th of these
+    # each bank's matrix count is padded to a multiple of this, so the optimizer's sharding splits it
+    # over 1, 2, 4 or 8 ranks (8 = constants.REFERENCE_WORLD_SIZE): speedrun qk 60 -> 64, vo 20 -> 24,
+    # mlp 11 layers x 2 = 22 -> 24 matrices (12 entries)
+    bank_pad_multiple: int = 8
+    max_position: int = 262_144  # rotary table rows: >= the largest T (train and eval) per rank
+    attention_backend: str = "auto"  # BACKENDS (model/attention.py)
+    lm_head_init_std: float = 0.005
+    eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
+    ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+
+    def __post_init__(self):
+        layers = range(self.num_layers)
+        for name in ("long_window_layers", "paired_head_layers", "value_embed_layers"):
+            bad = [i for i in getattr(self, name) if i not in layers or i == self.no_attention_layer]
+            if bad:
+                raise ValueError(f"GPTConfig.{name} has layers {bad} outside [0, {self.num_layers}) "
+                                 f"or equal to no_attention_layer={self.no_attention_layer}")
+        if set(self.long_window_layers) & set(self.paired_head_layers):
+            raise ValueError("GPTConfig.paired_head_layers and long_window_layers must not overlap "
+                             "(the partial key offset is defined for unpaired heads)")
+        if self.num_heads % 2 or self.head_dim % 4:
+            raise ValueError(f"GPTConfig.num_heads={self.num_heads} must be even and head_dim="
+                             f"{self.head_dim} a multiple of 4")
+        if self.num_heads * self.head_dim != self.model_dim:
+            raise ValueError(f"GPTConfig.model_dim={self.model_dim} must equal num_heads*head_dim="
+                             f"{self.num_heads * self.head_dim} (vo_bank entries are square)")
+        if self.no_attention_layer is not None and not (
+                0 <= self.skip_from_layer < self.no_attention_layer < self.num_layers):
+            raise ValueError(f"GPTConfig.skip_from_layer={self.skip_from_layer} must precede "
+                             f"no_attention_layer={self.no_attention_layer} < num_layers")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: one of {BACKENDS}")
+        if self.bank_pad_multiple < 1:
+            raise ValueError(f"GPTConfig.bank_pad_multiple={self.bank_pad_multiple} must be >= 1")
+        if (self.ngram.dim, self.ngram.vocab_size) != (self.model_dim, self.vocab_size):
+            raise ValueError(f"GPTConfig.ngram.dim/vocab_size=({self.ngram.dim}, {self.ngram.vocab_size})"
+                             f" must equal model_dim/vocab_size ({self.model_dim}, {self.vocab_size})")
+
+    @classmethod
+    def tiny(cls, **overrides) -> "GPTConfig":
+        """CPU tests and the cpu-tiny preset: 6 layers, d=128, 2 heads x 64, real GPT-2 vocab; the
+        layer roles of the 11-layer model scaled to 6 layers."""
+        vocab = overrides.get("vocab_size", PADDED_VOCAB)
+        fields = dict(
+            num_layers=6, model_dim=128, num_heads=2, head_dim=64, mlp_hidden=512,
+            long_window_layers=(2, 5), paired_head_layers=(0, 3), no_attention_layer=4,
+            skip_from_layer=2, value_embed_layers=(1, 3, 5), max_position=4096,
+            ngram=NgramConfig(vocab_size=vocab, dim=128, bigram_rows=4096, trigram_rows=4096,
+                              cache_rows=2 * 4096),
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i != self.no_attention_layer]

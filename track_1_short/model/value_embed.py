@@ -1,0 +1,66 @@
+"""ValueEmbedPull: the value-embedding tables, with a backward that index_adds into one persistent
+gradient buffer instead of producing a dense .grad.
+
+What it replaces: HEAD modded-nanogpt's `value_embeds` (one dense 5 x 50304 x 768 parameter, 193M
+values, facts 1.1/1.2), whose backward materialises a dense 193M-value gradient every micro-step and
+whose Adam reads it. Here the forward gathers rows by token id, the backward adds only the T touched
+rows per table into `grad_accum`, and the optimizer consumes that buffer every 2nd step (Adam
+cadence, facts 3) and zeroes it in place. Under CUDA graphs the buffer is a fixed address that the
+captured backward writes into, so no gradient allocation or AccumulateGrad happens at replay.
+
+What must stay address-stable: `weight` (Parameter [NT*V, D], table k's rows at k*V, as HEAD's
+251,520 x 768 layout) and `grad_accum` (same shape, weight's dtype unless given); both are never
+reallocated. The step graphs pass `value_embed_grad=self.value_embeds.grad_accum` into the
+forward; `torch.autograd.grad` returns None for `weight` (the gradient went to grad_accum).
+
+Call order: GPT.forward calls `lookup(table_index, ids, grad_accum)` for each value-embedding layer;
+the optimizer reads grad_accum as the weight's gradient (AnvilAndAdam.set_grad_buffer) on Adam
+steps, updates `weight`, then zeroes grad_accum in place. With grad_accum=None, lookup is a plain
+differentiable gather (dense .grad; eval and reference tests). Single-device tensor ops only: this
+module is model/ (the trainer's perf/value_embed_pull.py re-exports it under the seed's name).
+
+Provenance: our design (DESIGN.md section 4, "ValueEmbedPull"); HEAD value embedding init
+0.01 * randn (facts 1.1). Legend: NT tables, V vocab, D model dim, T tokens.
+"""
+
+import torch
+from torch import Tensor, nn
+
+
+class _PullRows(torch.autograd.Function):
+    """rows = weight[ids]; backward: grad_accum.index_add_(ids, grad); no gradient for weight."""
+
+    @staticmethod
+    def forward(ctx, weight: Tensor, ids: Tensor, grad_accum: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.grad_accum = grad_accum
+        return weight[ids]  # [T, D]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,) = ctx.saved_tensors
+        ctx.grad_accum.index_add_(0, ids, grad.to(ctx.grad_accum.dtype))
+        return None, None, None
+
+
+class ValueEmbedPull(nn.Module):
+    def __init__(self, num_tables: int, vocab_size: int, dim: int, init_std: float = 0.01,
+                 grad_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.num_tables, self.vocab_size, self.dim = num_tables, vocab_size, dim
+        rows = num_tables * vocab_size
+        self.weight = nn.Parameter(torch.randn(rows, dim) * init_std)  # [NT*V, D]
+        dtype = grad_dtype or self.weight.dtype
+        self.register_buffer("grad_accum", torch.zeros(rows, dim, dtype=dtype),
+                             persistent=False)  # [NT*V, D]
+
+    def lookup(self, table: int, ids: Tensor, grad_accum: Tensor | None = None) -> Tensor:
+        """Rows of table `table` (a Python int) for token ids [T] -> [T, D]."""
+        flat_ids = ids.long() + table * self.vocab_size  # [T]
+        if grad_accum is None:
+            return self.weight[flat_ids]
+        return _PullRows.apply(self.weight, flat_ids, grad_accum)
+
+    @torch.no_grad()
+    def zero_grad_accum_(self):
+        self.grad_accum.zero_()

@@ -1,0 +1,90 @@
+"""The step runner's interface and what its two implementations share: the step loss, the live key
+and its check against the schedule.
+
+A step runner runs one micro-step's forward and backward for train_step. Two implementations,
+one interface (`StepRunner`), so train_step is one piece of code for graphs on and off:
+    StepGraphs  (step_graphs.py)  CUDA-graph replays of one captured pair per StepGraphKey
+    EagerStep   (eager_step.py)   the compiled model run directly (`--graphs off`)
+Both call `training_loss`, the single definition of the step loss (capture, warm iterations,
+self-check and the eager twin), and `check_key` before every forward.
+
+Call order per micro-step (train_step, warmup and timed alike):
+    loss = runner.forward(step, batch, ngram_slots, cfg, micro_step=m)
+    <row_prefetch id exchange for the next micro-batch>
+    ngram_grad = runner.backward()                                   # sets p.grad
+    held = runner.hold_ngram_grad(ngram_grad, pending, event_this_step)
+    optimizer phases (read p.grad before the next backward)
+After warmup: post-warmup reset, census of runner.baked_tensors(), runner.seal().
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
+from track_1_short.perf.cuda_graphs.capture_support import StepGraphError
+
+if TYPE_CHECKING:
+    from track_1_short.data import Batch
+    from track_1_short.model.gpt import ForwardScheduleConfig
+
+
+@runtime_checkable
+class StepRunner(Protocol):
+    """What train_step, the census and the run report call on a step runner."""
+
+    def forward(self, step: int, batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig, *,
+                micro_step: int = 0) -> Tensor:
+        """The micro-step's 0-d loss (StepGraphs: graph memory, overwritten by the next replay)."""
+
+    def backward(self) -> Tensor:
+        """Gradients of the last forward; sets p.grad. Returns the n-gram sink gradient [2T, D]."""
+
+    def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
+        """The n-gram gradient the store may keep until its update event."""
+
+    def seal(self) -> None:
+        """After warmup: from here on a step without a checked capture is fatal."""
+
+    def baked_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """(role, tensor) of every tensor baked beyond the model's parameters and buffers."""
+
+    def capture_report(self) -> list[dict]:
+        """Per-key capture and replay statistics (empty without graphs)."""
+
+
+def live_key(batch: Batch, cfg: ForwardScheduleConfig) -> StepGraphKey:
+    return StepGraphKey(
+        tokens=batch.inputs.numel(),
+        cu_seqlens_rows=batch.cum_seqlens.numel(),
+        mtp_targets=cfg.mtp_weights.numel(),
+        ws_short=cfg.ws_short,
+        ws_long=cfg.ws_long,
+        max_seq_len=cfg.train_max_seq_len,
+    )
+
+
+def check_key(step: int, batch: Batch, cfg: ForwardScheduleConfig,
+              step_keys: list[StepGraphKey]) -> StepGraphKey:
+    """The live key, which must be the schedule's key of `step`: a replay cannot re-run dynamo's
+    guards, and a new shape would mean a new graph (or, eagerly, a recompile)."""
+    if not 0 <= step < len(step_keys):
+        raise StepGraphError(f"step {step}: outside the planned training steps [0, {len(step_keys)})")
+    key = live_key(batch, cfg)
+    if key != step_keys[step]:
+        raise StepGraphError(f"step {step}: live key {key} != schedule key {step_keys[step]}; the "
+                             f"batch or forward config does not match the schedule")
+    return key
+
+
+def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor,
+                  ngram_slots: Tensor, cfg: ForwardScheduleConfig, ngram_sink: Tensor,
+                  value_embed_grad: Tensor, grad_scale: float = 1.0) -> Tensor:
+    """THE step loss (0-d): the single definition run by the capture, the warm iterations, the
+    self-check and the eager twin. grad_scale = 1 / grad_accum_steps (a constant of the run): with
+    the optimizer's AVG over ranks, every world size then sees the mean over the step's slices."""
+    return model(inputs, targets, cum_seqlens, ngram_slots, cfg, ngram_sink=ngram_sink,
+                 value_embed_grad=value_embed_grad).sum() * grad_scale

@@ -1,0 +1,264 @@
+"""NgramStore: the systems side of the n-gram embedding, owned by the trainer: the table (this
+rank's row shard), which rank owns which rows, the row pull into the model's row cache, the
+gradients held until the update event, and the update event with its sparse Adam state.
+
+What it replaces: HEAD modded-nanogpt's dense `bigram_embed` update (dense Adam every 2nd step on a
+377,280 x 768 gradient, a hand-rolled sparse gradient exchange and a dense all_gather of the whole
+table; facts 1.2 and 4.3). Here the gradients of up to MAX_CYCLE_STEPS steps are held and applied
+at once as a sparse (lazy) Adam update of the touched rows. With W ranks rank r stores only rows
+[r*ROWS/W, (r+1)*ROWS/W) of the table and its Adam state; nothing dense is ever all-gathered.
+The model holds only the lookup (model/ngram_lookup.py: hashing, the row cache, the sinks), so
+the model stays single-device; this store writes the lookup's cache and nothing else of the model.
+
+Sharding (`shard(rank, world_size, group)`, called by the trainer after building the store and
+before warmup/capture; it REPLACES `table`, `exp_avg`, `exp_avg_sq` by this rank's row slice).
+ROWS = bigram_rows + trigram_rows must be a multiple of W (ValueError naming both otherwise; no
+padding). Row i is owned by rank i // (ROWS / W). With W = 1 no collective is ever issued and the
+code paths are the ones of the local table.
+
+Row pull, two phases (all collectives are torch.distributed.all_to_all_single: NCCL on GPU, gloo on
+CPU; gloo supports it for int64/float64/float32/bfloat16 with uneven splits in torch 2.13, checked):
+- phase A, `request_rows(ids) -> RowRequest` (ids only, so it may run any time before phase B, e.g.
+  for the next micro-batch between this micro-step's forward and backward; perf/row_prefetch.py):
+  unique the [2T] ids (sorted, hence grouped by owner), exchange per-owner counts (a host sync of the
+  current stream on the counts; RowPrefetch issues phase A on a CUDA side stream, so it waits for the
+  next batch's copy and ids, not for the forward replay), then the ids themselves (async).
+- phase B, inside `slots_for(inputs, ids, request)` (eager, right before the forward that uses the
+  rows): owners gather the requested rows from their slice and send them back (all_to_all_single);
+  the rank scatters them into the lookup's `cache[:2T]` in place. Phase B reads the table when it
+  runs, so rows always reflect every update event issued before it: an event at step s is applied
+  before step s+1's slots_for, whatever phase A did earlier (tested across events in
+  test_ngram_sharded.py).
+
+Update event (`update_event(step, lr_scale)`, collective, on the schedule's `ngram_event` steps
+after the optimizer): the held (grad [2T, R], ids [2T]) of every micro-step since the last event
+are summed per row locally (unique + index_add), sent to their owners (all_to_all_single of counts,
+ids, rows), the owner sums the contributions of all ranks and divides by W (AVG, as the dense
+parameters' reductions; the loss is scaled by 1 / micro_steps, so W ranks with 8/W micro-steps see
+the mean gradient one rank sees with 8), then runs the SparseAdam formula on the touched owned
+rows. `num_updates` (the bias correction step) counts events and is the same on every rank. W = 1
+refreshes the cache in place from the table; W > 1 leaves the refresh to the next slots_for (which
+refills it in place before any forward reads it; a refresh here would be one more collective per
+event for nothing).
+
+What must stay stable: nothing here is baked into a graph (the cache and the sinks are the
+lookup's). The table slice and the Adam state are buffers updated in place after shard(); the
+trainer checkpoints `state_dict()` (table, exp_avg, exp_avg_sq: this rank's rows; num_updates)
+per rank, beside the model's.
+
+Call order per micro-step (train.py; see perf/row_prefetch.py for the prefetching form):
+ids = lookup.row_ids(inputs); slots = slots_for(inputs, ids) (eager, before the forward,
+collective when W > 1); after the backward hold(sink_grad, ids); after the step's optimizer, on an
+event step: update_event(step) (collective when W > 1). reset() after warmup. Every rank must make
+the same sequence of collective calls (slots_for, update_event).
+
+Legend: T tokens, R row width, N held n-grams (sum of 2T), U unique rows, W world size, Q rows
+requested from this rank.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from track_1_short.model.ngram_lookup import NgramLookup
+
+
+@dataclass(slots=True)
+class _Held:
+    grads: list[Tensor] = field(default_factory=list)  # [2T, R] each (caller-owned memory)
+    ids: list[Tensor] = field(default_factory=list)  # [2T] each
+
+
+@dataclass(slots=True)
+class RowRequest:
+    """Phase A of a row pull (ids exchanged, rows not yet); consumed by slots_for (phase B)."""
+    ids: Tensor  # [2T] table rows of the micro-batch (global ids)
+    wanted: Tensor  # [U] unique ids, sorted, hence grouped by owner
+    inverse: Tensor  # [2T] position of ids[j] in wanted
+    send_counts: list[int]  # [W] ids this rank asked of each owner
+    recv_counts: list[int]  # [W] ids each rank asked of this rank
+    served: Tensor  # [Q] global ids other ranks asked of this rank (valid after work.wait())
+    work: object | None  # async all_to_all handle of `served` (None when complete)
+
+
+def _exchange_counts(counts: Tensor, group) -> list[int]:
+    """all_to_all of one count per rank: [W] sent -> [W] received, as host ints (one host sync)."""
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    return recv.tolist()
+
+
+def _exchange(send: Tensor, send_counts: list[int], recv_counts: list[int], group,
+              async_op: bool = False) -> tuple[Tensor, object | None]:
+    """all_to_all_single along dim 0 with uneven splits: [sum send_counts, ...] -> [sum recv_counts, ...]."""
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group,
+                                  async_op=async_op)
+    return recv, work
+
+
+def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
+    """[N] ids, [N, R] grads -> [U] unique ids (sorted), [U, R] summed grads."""
+    rows, inverse = ids.unique(return_inverse=True)
+    g = grads.new_zeros(rows.numel(), grads.shape[1])
+    return rows, g.index_add_(0, inverse, grads)
+
+
+class NgramStore(nn.Module):
+    def __init__(self, lookup: NgramLookup):
+        super().__init__()
+        cfg = self.cfg = lookup.cfg
+        # A reference, not a submodule: the lookup is the GPT's (its state_dict and the census).
+        self.__dict__["lookup"] = lookup
+        device = lookup.cache.device
+        state_dtype = torch.promote_types(cfg.dtype, torch.float32)
+        rows_dim = (cfg.num_rows, cfg.dim)
+        self.register_buffer("table", torch.zeros(rows_dim, dtype=cfg.dtype, device=device))
+        self.register_buffer("exp_avg", torch.zeros(rows_dim, dtype=state_dtype, device=device))
+        self.register_buffer("exp_avg_sq", torch.zeros(rows_dim, dtype=state_dtype, device=device))
+        self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("cache_ids", torch.zeros(cfg.cache_rows, dtype=torch.int64, device=device),
+                             persistent=False)  # [cache_rows] table row held by each cache row
+        self.held = _Held()
+        self.rank, self.world_size, self.group = 0, 1, None
+        self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
+
+    # ---- sharding (once, after construction, before warmup and capture) ----
+
+    @torch.no_grad()
+    def shard(self, rank: int, world_size: int, group=None) -> None:
+        """Keep only rows [rank*ROWS/W, (rank+1)*ROWS/W) of the table and its Adam state (the old
+        full buffers are dropped: call before anything is captured or censused)."""
+        rows = self.cfg.num_rows
+        if world_size < 1 or rows % world_size:
+            raise ValueError(f"world size {world_size} does not divide the n-gram table's {rows} rows "
+                             f"(NgramConfig.bigram_rows + trigram_rows); make them a multiple of it")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if self.world_size != 1:
+            raise RuntimeError(f"NgramStore already sharded over {self.world_size} ranks")
+        per = rows // world_size
+        lo = rank * per
+        for name in ("table", "exp_avg", "exp_avg_sq"):
+            setattr(self, name, getattr(self, name)[lo:lo + per].clone())  # replaces the buffer
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.row_lo, self.rows_per_rank = lo, per
+
+    @torch.no_grad()
+    def request_rows(self, ids: Tensor) -> RowRequest | None:
+        """Phase A (collective when W > 1, None when W == 1): send this micro-batch's unique row ids
+        [U] to their owners. Reads no table value, so it may run before an update event whose rows
+        it asks for. Host-syncs the current stream on the [W] counts (RowPrefetch runs it on a side
+        stream so that sync does not wait for a queued forward replay)."""
+        if self.world_size == 1:
+            return None
+        self.lookup.check_capacity(ids.numel())
+        wanted, inverse = ids.unique(return_inverse=True)  # [U], [2T]
+        send_counts, recv_counts = self._owner_counts(wanted)
+        served, work = _exchange(wanted, send_counts, recv_counts, self.group, async_op=True)
+        return RowRequest(ids=ids, wanted=wanted, inverse=inverse, send_counts=send_counts,
+                          recv_counts=recv_counts, served=served, work=work)
+
+    def _owner_counts(self, rows: Tensor) -> tuple[list[int], list[int]]:
+        """Collective: [U] sorted global rows -> (rows this rank sends each owner, rows each rank
+        sends this one), as host ints (the host syncs on them)."""
+        counts = torch.bincount(rows // self.rows_per_rank, minlength=self.world_size)  # [W]
+        return counts.tolist(), _exchange_counts(counts, self.group)
+
+    def _pull_rows(self, request: RowRequest) -> Tensor:
+        """Phase B (collective): owners send the requested rows -> [U, R] in `wanted` order."""
+        if request.work is not None:
+            request.work.wait()  # the current stream waits for the id exchange
+            request.work = None
+        payload = self.table[request.served - self.row_lo]  # [Q, R] from this rank's slice
+        rows, _ = _exchange(payload, request.recv_counts, request.send_counts, self.group)
+        return rows  # [U, R]
+
+    @torch.no_grad()
+    def slots_for(self, inputs: Tensor, ids: Tensor | None = None,
+                  request: RowRequest | None = None) -> Tensor:
+        """Fill the lookup's cache[:2T] in place with this micro-batch's rows (phase B; phase A too
+        when no `request` is given); returns ngram_slots int64 [2T]. Collective when W > 1."""
+        lookup = self.lookup
+        ids = lookup.row_ids(inputs) if ids is None else ids
+        n = ids.numel()
+        lookup.check_capacity(n)
+        self.cache_ids[:n].copy_(ids)
+        if self.world_size == 1:
+            lookup.cache[:n].copy_(self.table[ids])
+        else:
+            if request is None:
+                request = self.request_rows(ids)
+            elif request.ids is not ids:
+                raise RuntimeError("slots_for: the row request was made for other ids (prefetch order)")
+            lookup.cache[:n].copy_(self._pull_rows(request)[request.inverse])
+        return lookup.slots(inputs)
+
+    # ---- held gradients and update events (eager, after the backward) ----
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.held.ids)
+
+    def hold(self, ngram_grad: Tensor, ids: Tensor):
+        """Keep one micro-step's sink gradient [2T, R] and its row ids [2T] until the update event.
+        The caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
+        # The step graphs' ring has cycle x micro_steps slots; one more held gradient would alias a
+        # live one (an explicit raise: this guard must survive python -O).
+        bound = self.cfg.cycle * self.cfg.micro_steps
+        if self.num_pending >= bound:
+            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > cycle {self.cfg.cycle} x "
+                               f"micro_steps {self.cfg.micro_steps}; an update event was missed")
+        self.held.grads.append(ngram_grad)
+        self.held.ids.append(ids)
+
+    def _to_owners(self, rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+        """Collective: [U] global rows + [U, R] grads -> this rank's touched rows (local indices,
+        [U']) and their gradient summed over ranks and averaged over W ([U', R])."""
+        send_counts, recv_counts = self._owner_counts(rows)
+        recv_ids, _ = _exchange(rows, send_counts, recv_counts, self.group)  # [sum recv]
+        recv_g, _ = _exchange(g, send_counts, recv_counts, self.group)  # [sum recv, R]
+        local, summed = _sum_duplicates(recv_ids - self.row_lo, recv_g)
+        return local, summed.div_(self.world_size)
+
+    def _adam_rows(self, local: Tensor, g: Tensor, lr_scale: float):
+        """SparseAdam on slice rows `local` [U] with gradient g [U, R] (eps added to sqrt(v) before
+        bias correction, as torch.optim.SparseAdam)."""
+        cfg = self.cfg
+        t = int(self.num_updates)
+        m = self.exp_avg[local].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
+        v = self.exp_avg_sq[local].mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+        self.exp_avg[local] = m
+        self.exp_avg_sq[local] = v
+        step_size = cfg.lr * lr_scale * (1 - cfg.beta2 ** t) ** 0.5 / (1 - cfg.beta1 ** t)
+        update = m / (v.sqrt() + cfg.eps) * step_size
+        self.table[local] = (self.table[local].to(update.dtype) - update).to(self.table.dtype)
+
+    @torch.no_grad()
+    def update_event(self, step: int, lr_scale: float = 1.0):
+        """Sparse (lazy) Adam on the rows touched since the last event (collective when W > 1: the
+        row gradients go to their owners first); W == 1 then refreshes the cache in place."""
+        if not self.held.ids:
+            raise RuntimeError(f"step {step}: n-gram update event with no held gradients")
+        ids = torch.cat(self.held.ids)  # [N]
+        grads = torch.cat(self.held.grads).to(self.exp_avg.dtype)  # [N, R]
+        rows, g = _sum_duplicates(ids, grads)  # [U], [U, R]
+        if self.world_size > 1:
+            rows, g = self._to_owners(rows, g)
+        self.num_updates += 1
+        self._adam_rows(rows, g, lr_scale)
+        self.held.grads.clear()
+        self.held.ids.clear()
+        if self.world_size == 1:
+            self.lookup.cache.copy_(self.table[self.cache_ids])
+
+    @torch.no_grad()
+    def reset(self):
+        """Initial state in place: zero table slice (HEAD's init), Adam state and cache ids; nothing
+        held. Sharding and every address are kept (the lookup's reset() zeroes the cache)."""
+        for buf in (self.table, self.exp_avg, self.exp_avg_sq, self.num_updates, self.cache_ids):
+            buf.zero_()
+        self.held.grads.clear()
+        self.held.ids.clear()
