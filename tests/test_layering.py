@@ -181,7 +181,7 @@ def test_the_walk_sees_the_package():
     assert ("track_1_short.model.gpt", "track_1_short.model.ngram_lookup") in pairs
     assert ("track_1_short.config", "track_1_short.model.gpt_config") in pairs
     assert any(e.type_checking for e in edges)
-    assert any(e.source == "track_1_short.train" and not e.internal and e.target == "torch"
+    assert any(e.source == "track_1_short.trainer.build" and not e.internal and e.target == "torch"
                for e in edges)
 
 

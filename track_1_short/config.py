@@ -84,6 +84,8 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps (0: only at the end when --save-final)
     save_final: bool = True
     validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
+    # the fused lm-head + softcapped CE kernel (kernels/softcap_ce.py) on CUDA with a bf16 lm head
+    fused_loss: bool = True
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -265,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"torch.compile the model ({_by_preset(lambda c: c.train.compile)})")
     add("--fp8", action=argparse.BooleanOptionalAction, default=None,
         help=f"fp8 lm head / MLP matmuls on CUDA ({_by_preset(lambda c: c.model.fp8.enabled)})")
+    add("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
+        help="the fused lm-head + softcapped CE Triton kernel on CUDA (bf16 lm head; "
+             "--no-fused-loss: the torch loss); default on")
     add("--compile-cache", type=Path,
         help="portable compile-cache file: loaded if present, written after warmup (lets a fresh "
              "machine skip most of the compile); default none")
@@ -336,6 +341,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.graphs, "check_fraction", args.check_fraction)
     _set(cfg.train, "compile", args.compile)
     _set(cfg.train, "compile_cache", args.compile_cache)
+    _set(cfg.train, "fused_loss", args.fused_loss)
     _set(cfg.train, "optimizer", args.optimizer)
     _set(cfg.train, "seed", args.seed)
     _set(cfg.train, "max_steps", args.max_steps)

@@ -8,7 +8,9 @@ sharded the n-gram table, built the optimizer, compiled and made the step runner
 prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
   2. attention backend: a per-device choice the compiled forward specializes on;
-  3. fp8 matmuls resolved: they need the device, and change what the compiled forward traces;
+  3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
+     need the device, add scale buffers the graphs bake) and the fused lm-head loss kernel
+     (CUDA, bf16 head; --no-fused-loss keeps the torch loss): both change what compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
@@ -28,6 +30,7 @@ import torch
 from track_1_short.config import RunConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
 from track_1_short.distributed import DistributedContext
+from track_1_short.model.fp8 import Fp8Matmuls
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
 from track_1_short.model.loss import build_prefix_table
 from track_1_short.optim.adamw_baseline import AdamWBaseline
@@ -99,14 +102,41 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
     return opt
 
 
-def prepare_for_device(model: GPT, device: torch.device) -> GPT:
+def _install_fp8(model: GPT, device: torch.device) -> None:
+    """--fp8: Fp8Matmuls as the training forward's matmul strategy, where it can run (where it
+    cannot, Fp8Matmuls.resolve warns naming the device and the reason, and bf16 stays)."""
+    if not model.config.fp8.enabled:
+        return
+    fp8 = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers).to(device)
+    if fp8.resolve(device):
+        model.matmuls = fp8
+
+
+def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None:
+    """The fused lm-head + softcapped CE kernel as the training forward's head loss: on CUDA with
+    a bf16 lm head (an fp8 lm head keeps the torch loss over its fp8 logits)."""
+    if enabled and device.type == "cuda" and not isinstance(model.matmuls, Fp8Matmuls):
+        from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
+        model.head_loss = linear_softcap_ce
+
+
+def describe_strategies(model: GPT) -> str:
+    """One log line: which matmuls and which loss the training forward runs."""
+    matmuls = "fp8 (lm head, MLP)" if isinstance(model.matmuls, Fp8Matmuls) else "bf16/fp32"
+    loss = ("fused Triton kernel (kernels/softcap_ce.py)" if model.head_loss is not None
+            else "torch (model/loss.py)")
+    return f"training forward: {matmuls} matmuls, {loss} loss"
+
+
+def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True) -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
         for name, p in model.named_parameters():
             if name in BF16_PARAMS:
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
-    model.fp8.resolve(device)  # --fp8 where it cannot run (CPU, pre-Hopper GPU) warns
+    _install_fp8(model, device)
+    _install_fused_loss(model, device, fused_loss)
     return model
 
 
@@ -115,7 +145,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
-    prepare_for_device(model, device)  # 1.-3.
+    prepare_for_device(model, device, cfg.train.fused_loss)  # 1.-3.
     ngram = NgramStore(model.ngram_table)  # 4. the table behind the model's lookup (its cache)
     if ctx.world_size > 1:
         ngram.shard(ctx.rank, ctx.world_size)
