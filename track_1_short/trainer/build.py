@@ -15,7 +15,8 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
   5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
-     takes value_embeds' gradient buffer;
+     takes value_embeds' gradient buffer; wrapped in OptimizerGraphs (its device half captured
+     per cadence, perf/cuda_graphs/optimizer_graphs.py) with --graphs on, on one rank;
   6. compile: wraps the model as it now is (every later change would be a recompile);
   7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
      to the optimizer's parameters; the row prefetch wraps the sharded table.
@@ -37,6 +38,7 @@ from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys
+from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
@@ -97,7 +99,8 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
         opt = AdamWBaseline(model.named_parameters(), lr=cfg.train.adamw_lr)
     else:
         opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
-                           tied_embed_head=(model.embed.weight, model.lm_head))
+                           tied_embed_head=(model.embed.weight, model.lm_head),
+                           names={p: n for n, p in model.named_parameters()})
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
     return opt
 
@@ -149,7 +152,13 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     ngram = NgramStore(model.ngram_table)  # 4. the table behind the model's lookup (its cache)
     if ctx.world_size > 1:
         ngram.shard(ctx.rank, ctx.world_size)
-    optimizer = build_optimizer(cfg, model, ctx)  # 5.
+    optimizer = make_optimizer_graphs(  # 5. (its step captured per cadence with --graphs on)
+        build_optimizer(cfg, model, ctx),
+        OptimizerGraphsConfig(mode=cfg.graphs.mode, check_fraction=cfg.graphs.check_fraction,
+                              seed=cfg.graphs.seed,
+                              # one micro-step: p.grad is the step graph's own buffer (per key)
+                              grad_inputs="adopt" if spec.micro_steps > 1 else "stage"),
+        num_steps=spec.num_steps, untie_step=spec.untie_step, backend=graph_backend, device=device)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:  # 6.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,

@@ -119,16 +119,18 @@ def prepare_run(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: G
     initial = snapshot_state(run.parts)
     if cfg.train.compile or cfg.graphs.mode != "off":
         warmup_and_capture(run)
-        census_before = baked_addresses.take_census(run.parts.model, run.parts.runner)
-        restore_state(run.parts, initial)  # in place: parameters, optimizer, tables, YaRN
-        baked_addresses.compare(census_before,
-                                baked_addresses.take_census(run.parts.model, run.parts.runner))
+        parts = run.parts
+        census_before = baked_addresses.take_census(parts.model, parts.runner, parts.optimizer)
+        restore_state(parts, initial)  # in place: parameters, optimizer, tables, YaRN
+        baked_addresses.compare(census_before, baked_addresses.take_census(
+            parts.model, parts.runner, parts.optimizer))
         if cfg.train.compile_cache and ctx.is_main:
             # every graph of the run is compiled now (the summary's compiles show none later)
             run.log.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
     elif ctx.is_main:
         print("warmup skipped: an uncompiled eager model has nothing to compile or capture", flush=True)
     run.parts.runner.seal()
+    run.parts.optimizer.seal()
     return run
 
 
