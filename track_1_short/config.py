@@ -249,20 +249,8 @@ def _add_run_flags(add) -> None:
         help="empty an existing run dir of this --run-id and start it clean")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m track_1_short.train",
-                                usage="%(prog)s [--preset NAME] [options] (--help lists them)",
-                                description="GPT-2-small speedrun trainer (CUDA-graph training step)")
-    add = p.add_argument
-    add("--preset", choices=PRESETS, default="cpu-tiny",
-        help="speedrun (8-GPU record schedule), small-gpu (same keys, fewer steps), cpu-tiny (CPU "
-             "smoke run); default cpu-tiny (./run.sh passes speedrun on a GPU machine)")
-    add("--data-dir", type=Path, help=f"shard dir ({_by_preset(lambda c: c.data.data_dir)})")
-    add("--graphs", choices=GRAPH_MODES,
-        help="on: CUDA-graph step; off: compiled model launched eagerly; check: graphs plus sampled "
-             f"self-checks during the timed run ({_by_preset(lambda c: c.graphs.mode)})")
-    add("--check-fraction", type=float,
-        help=f"--graphs check: share of steps checked ({_by_preset(lambda c: c.graphs.check_fraction)})")
+def _add_speed_flags(add) -> None:
+    """How the step runs: compile, fp8, the fused loss, compile caches, attention backend."""
     add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help=f"torch.compile the model ({_by_preset(lambda c: c.train.compile)})")
     add("--fp8", action=argparse.BooleanOptionalAction, default=None,
@@ -278,6 +266,23 @@ def build_parser() -> argparse.ArgumentParser:
              "compile caches for a following run on the same machine)")
     add("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
         help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m track_1_short.train",
+                                usage="%(prog)s [--preset NAME] [options] (--help lists them)",
+                                description="GPT-2-small speedrun trainer (CUDA-graph training step)")
+    add = p.add_argument
+    add("--preset", choices=PRESETS, default="cpu-tiny",
+        help="speedrun (8-GPU record schedule), small-gpu (same keys, fewer steps), cpu-tiny (CPU "
+             "smoke run); default cpu-tiny (./run.sh passes speedrun on a GPU machine)")
+    add("--data-dir", type=Path, help=f"shard dir ({_by_preset(lambda c: c.data.data_dir)})")
+    add("--graphs", choices=GRAPH_MODES,
+        help="on: CUDA-graph step; off: compiled model launched eagerly; check: graphs plus sampled "
+             f"self-checks during the timed run ({_by_preset(lambda c: c.graphs.mode)})")
+    add("--check-fraction", type=float,
+        help=f"--graphs check: share of steps checked ({_by_preset(lambda c: c.graphs.check_fraction)})")
+    _add_speed_flags(add)
     add("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
     add("--seed", type=int, help=f"model init seed ({_by_preset(lambda c: c.train.seed)})")
     add("--data-seed", type=int, help=f"document order seed ({_by_preset(lambda c: c.data.seed)})")
