@@ -13,7 +13,12 @@ SPEEDRUN = Schedule(ScheduleConfig())
 
 
 def test_speedrun_keys():
-    keys = step_keys(SPEEDRUN)
+    """The speedrun's four keys, with document capacities as the preflight resolves them from the
+    data (here the record's 64/96/128; the presets leave them None)."""
+    stages = tuple(dataclasses.replace(s, cu_seqlens_rows=rows)
+                   for s, rows in zip(SPEEDRUN_STAGES, (64, 96, 128, 128)))
+    resolved = Schedule(ScheduleConfig(stages=stages))
+    keys = step_keys(resolved)
     assert len(keys) == SPEEDRUN.num_steps
     distinct = list(dict.fromkeys(keys))
     assert distinct == [
@@ -23,7 +28,7 @@ def test_speedrun_keys():
         StepGraphKey(49152, 128, 1, 768, 1664, 2048),
     ]
     for step, key in enumerate(keys):
-        assert key == distinct[SPEEDRUN.plan(step).stage_index]
+        assert key == distinct[resolved.plan(step).stage_index]
     assert hash(keys[0]) == hash(tuple(keys[0])) and tuple(keys[0])[0] == 16384
 
 

@@ -32,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_CASES = 13  # tests in softcap_ce_cases.py (parametrizations included)
 
 
-@pytest.mark.slow
 def test_kernel_cases_in_the_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",

@@ -218,7 +218,7 @@ def test_graph_path_end_to_end_on_cpu(shard_dir, tmp_path, fresh_dynamo):
     assert _losses(tmp_path / "graphs") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4)
 
 
-@pytest.mark.parametrize("slices_per_step", [1, 2])
+@pytest.mark.parametrize("slices_per_step", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_key_serving_one_step_is_warmed_up_at_that_step_twice(shard_dir, tmp_path, fresh_dynamo,
                                                                slices_per_step):
     """--max-steps 7 leaves stage B's key a single step (6, the stage's first: a YaRN window
@@ -266,7 +266,7 @@ def test_warmup_only_compiles_captures_and_exits(shard_dir, tmp_path, fresh_dyna
     assert not (run_dir / "metrics.jsonl").exists()  # no train step, no validation logged
 
 
-@pytest.mark.parametrize("slices_per_step", [1, 4])
+@pytest.mark.parametrize("slices_per_step", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_speedrun_schedule_warmup_on_cpu(shard_dir, tmp_path, fresh_dynamo, slices_per_step):
     """The speedrun preset's step structure (its 4 stages of 423 / 424 / 423 / 15 steps, the n-gram
     cycle, Adam parity, the embed/head untie at stage C, the extension stage) through main()'s
