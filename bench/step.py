@@ -39,6 +39,7 @@ import torch
 from bench import common
 from bench import model as model_bench
 from track_1_short import config as config_mod
+from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.schedule import SPEEDRUN_STAGES
 from track_1_short.trainer.lifecycle import prepare_run
@@ -127,7 +128,7 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
         spec = common.key_specs(args.smoke)[args.stage]
         pieces = [spec.max_seq_len] * (spec.tokens // spec.max_seq_len)  # bench/model.py's shape
         f = model_bench.flops(run.spec.cfg.model, spec, pieces)
-        row["mfu_micro_step"] = f["model_flops"] / (micro / 1e3) / (common.H200_DENSE_BF16_TFLOPS * 1e12)
+        row["mfu_micro_step"] = f["model_flops"] / (micro / 1e3) / (H200_DENSE_BF16_TFLOPS * 1e12)
     return row
 
 

@@ -3,7 +3,8 @@
 Scope: all 1285 steps of the speedrun schedule (`Schedule(ScheduleConfig())`, through the real
 `trainer/build.make_spec`), at the micro-step counts of 1, 2 and 8 ranks (8, 4 and 1 micro-steps
 per rank), run through the real `trainer/step.train_step` with the real consumers on tiny tensors:
-AnvilAndAdam (one ANVIL bank, a replicated and a table Adam parameter), GradHandoff and
+AnvilAndAdam (one ANVIL bank, a replicated and a table Adam parameter; eager, and captured per
+cadence by OptimizerGraphs over the CPU stand-in backend), GradHandoff and
 NgramGradRing inside a stand-in runner (its backward hands over integer-valued gradients, so copy
 vs add is checked exactly), NgramStore (its rows pulled once per stand-in batch: the row pull is
 no cadence consumer), checkpoint.aligned.
@@ -37,7 +38,8 @@ from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
-from track_1_short.perf.cuda_graphs.capture_support import StepGraphError
+from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend, StepGraphError
+from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
 from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, NgramGradRing
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.trainer import checkpoint
@@ -153,7 +155,7 @@ class _Runner:
         return self.ring.hold(ngram_grad, pending, event_this_step)
 
 
-def _build(micro_steps: int, tmp_path):
+def _build(micro_steps: int, graphs: str, tmp_path):
     cfg = config_mod.preset("speedrun")
     cfg.data = dataclasses.replace(cfg.data, slices_per_step=micro_steps)  # W = 1
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"),
@@ -166,15 +168,20 @@ def _build(micro_steps: int, tmp_path):
                    cycle=cfg.schedule.ngram_cycle, micro_steps=spec.micro_steps)
     runner = _Runner(optimizer, spec.plans, spec.micro_steps, store.max_held)
     loader = _Loader(store)
-    parts = StepParts(model=model, forward_fn=None, eval_fn=None, optimizer=optimizer,
+    # as prepare_model wraps it: EagerOptimizer (--graphs off) or OptimizerGraphs (on; the CPU
+    # stand-in backend), both fed the plan's cadence by train_step
+    wrapped = make_optimizer_graphs(optimizer, OptimizerGraphsConfig(mode=graphs), plans=spec.plans,
+                                    untie_step=spec.untie_step, backend=RecordingGraphBackend())
+    parts = StepParts(model=model, forward_fn=None, eval_fn=None, optimizer=wrapped,
                       runner=runner, ngram=store, prefetch=loader, prefix_table=None)
     return spec, parts, loader
 
 
-@pytest.mark.parametrize("micro_steps", [8, 4, 1])  # 1, 2 and 8 ranks
-def test_every_consumer_follows_the_plan(micro_steps, tmp_path):
-    spec, parts, loader = _build(micro_steps, tmp_path)
-    plans, opt, store, model = spec.plans, parts.optimizer, parts.ngram, parts.model
+@pytest.mark.parametrize("micro_steps, graphs", [(8, "off"), (4, "off"), (1, "off"), (1, "on")])
+def test_every_consumer_follows_the_plan(micro_steps, graphs, tmp_path):
+    """1, 2 and 8 ranks' micro-steps; the optimizer eager and as optimizer graphs."""
+    spec, parts, loader = _build(micro_steps, graphs, tmp_path)
+    plans, opt, store, model = spec.plans, parts.optimizer.optimizer, parts.ngram, parts.model
     assert len(plans) == spec.schedule.num_steps == 1285 and spec.micro_steps == micro_steps
     assert store.max_held == spec.schedule.cfg.ngram_cycle * micro_steps
     assert len(parts.runner.ring.slots) == store.max_held
@@ -199,6 +206,10 @@ def test_every_consumer_follows_the_plan(micro_steps, tmp_path):
             assert store.num_pending == (spec.schedule.ngram_steps_held(step) + 1) * micro_steps
         held_after.append(any(kept_adam) or store.num_pending > 0)
     assert opt.adam_steps == sum(p.adam_step for p in plans)
+    if graphs == "on":  # every step replayed a graph of its plan's cadence (no tie here)
+        replays = {str(c): s.replays for c, s in parts.optimizer.stats.items()}
+        assert replays == {"anvil": sum(not p.adam_step for p in plans),
+                           "adam_untied": sum(p.adam_step for p in plans)}, replays
     assert list(store.events) == [p.step for p in plans if p.ngram_event]
     last, produced = plans[-1].step, parts.runner.produced
     for step, held in store.events.items():

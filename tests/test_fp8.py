@@ -496,24 +496,26 @@ def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
         model = models[active] = _model(vocab_size=SMALL_VOCAB, fp8=Fp8Config(bootstrap_steps=1))
         with torch.no_grad():
             model.lm_head.normal_(0, 0.2)  # logits that matter (init std 0.005 gives ~uniform)
-        model.fp8.active = active
+        # the fp8 strategy installed as the trainer installs it (trainer/build.py), forced active
+        model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
+        model.matmuls.active = active
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         for step, (inputs, targets, cu) in enumerate(batches[:2]):
             slots = _slots(model, inputs)
-            before = _state(model.fp8)
+            before = _state(model.matmuls)
             loss = model(inputs, targets, cu, slots, fcfg)
             loss.mean().backward()
             assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
             losses[(active, step)] = loss.detach()
             if active and step == 1:  # delayed: each layer used the next-scales step 0 left
-                for i, d in enumerate(model.fp8.mlp_down):
+                for i, d in enumerate(model.matmuls.mlp_down):
                     for op in ("x", "w"):
                         assert torch.equal(d.get_buffer(f"{op}_scale_used"),
                                            before[f"mlp_down.{i}.{op}_scale_next"]), (i, op)
-            after = _state(model.fp8)
+            after = _state(model.matmuls)
             with torch.no_grad():
                 losses[("eval", active, step)] = model.eval_ce(inputs, targets, cu, slots, 16, 48, 32)
-            assert all(torch.equal(b, after[n]) for n, b in model.fp8.named_buffers())
+            assert all(torch.equal(b, after[n]) for n, b in model.matmuls.named_buffers())
             opt.step()
             opt.zero_grad(set_to_none=True)
     for step in range(2):
@@ -523,10 +525,10 @@ def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
     model = models[True]
     inputs, targets, cu = batches[2]
     slots = _slots(model, inputs)
-    start = _state(model.fp8)
+    start = _state(model.matmuls)
     eager = model(inputs, targets, cu, slots, fcfg).detach()
-    eager_state = _state(model.fp8)
-    for name, b in model.fp8.named_buffers():
+    eager_state = _state(model.matmuls)
+    for name, b in model.matmuls.named_buffers():
         b.copy_(start[name])
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=counter)
@@ -534,5 +536,5 @@ def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
     loss.sum().backward()
     assert counter.frame_count == 1
     assert torch.allclose(loss, eager, atol=1e-4)
-    assert all(torch.equal(b, eager_state[n]) for n, b in model.fp8.named_buffers())
+    assert all(torch.equal(b, eager_state[n]) for n, b in model.matmuls.named_buffers())
     assert not math.isnan(loss.sum().item())

@@ -253,7 +253,7 @@ def test_delayed_scales_update_in_place_at_every_replay():
 
 def _tiny_gpt(fp8_enabled: bool, device):
     from track_1_short.model.gpt import GPT, GPTConfig
-    from track_1_short.trainer.build import BF16_PARAMS
+    from track_1_short.trainer.build import prepare_for_device
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.tiny(attention_backend="reference",
@@ -262,13 +262,9 @@ def _tiny_gpt(fp8_enabled: bool, device):
         model.vo_bank[1::2].normal_(0, 0.05)
         model.mlp_bank[:, 1].normal_(0, 0.05)
         model.lm_head.normal_(0, 0.2)
-    model = model.to(device)
-    for name, p in model.named_parameters():  # as trainer/build.py's prepare_for_device
-        if name in BF16_PARAMS:
-            p.data = p.data.to(torch.bfloat16)
-    model.resolve_attention_backend(device)
-    if model.fp8.resolve(device) != fp8_enabled:
-        raise RuntimeError(f"fp8 resolve on {device} disagrees with enabled={fp8_enabled}")
+    model = prepare_for_device(model.to(device), device, fused_loss=False)  # as the trainer does
+    if isinstance(model.matmuls, Fp8Matmuls) != fp8_enabled:
+        raise RuntimeError(f"fp8 install on {device} disagrees with enabled={fp8_enabled}")
     return model
 
 
@@ -298,14 +294,14 @@ def test_tiny_gpt_fp8_against_bf16():
             model.zero_grad(set_to_none=True)
             bad = [n for n, gr in grads.items() if not torch.isfinite(gr).all()]
             assert not bad, f"fp8={enabled}, batch {b}: non-finite gradients in {bad}"
-            scales = _buffers(model.fp8)
+            scales = _buffers(model.matmuls)
             with torch.no_grad():
                 ce = model.eval_ce(inputs, targets, cu, slots, 32, 96, 256)
-            moved = [n for n, t in model.fp8.named_buffers() if not torch.equal(t, scales[n])]
+            moved = [n for n, t in model.matmuls.named_buffers() if not torch.equal(t, scales[n])]
             assert not moved, f"fp8={enabled}: eval_ce changed {moved}"
             results[enabled, b] = (loss.detach().float(), grads, ce)
         if enabled:
-            assert model.fp8.mlp_down[0].bootstrap_left.item() == 0
+            assert model.matmuls.mlp_down[0].bootstrap_left.item() == 0
     for b in range(len(batches)):
         (loss_bf16, grads_bf16, ce_bf16), (loss_fp8, grads_fp8, ce_fp8) = results[False, b], results[True, b]
         assert _rel(loss_fp8, loss_bf16) < 2e-2, f"batch {b}"

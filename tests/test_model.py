@@ -137,7 +137,7 @@ def test_training_loss_terms_against_eval_and_direct_references():
         plain = model(inputs, targets, cu, slots, _fcfg([1.0]))
         ce = model.eval_ce(inputs, targets, cu, slots, 32, 96, 256)
         assert torch.allclose(plain, ce, atol=1e-5)
-        x = model._trunk(inputs, cu, slots, None, None, 32, 96, 256)
+        x = model._trunk(inputs, cu, slots, None, None, 32, 96, 256, model.matmuls)
         capped = softcap(x @ model.lm_head).double()
         lse = capped.logsumexp(-1)
         w = [1.0, 0.5, 0.25]
@@ -258,3 +258,29 @@ def test_compile_inductor_one_key():
         with torch.no_grad():
             assert torch.allclose(loss, model(inputs, targets, cu, slots, fc), atol=1e-3)
     assert counter.frame_count == 1
+
+
+def test_strategies_are_installed_from_outside():
+    """trainer/build.py installs the training forward's strategies: fp8 matmuls only where
+    --fp8 can run (on CPU it warns and keeps plain matmuls), the fused loss only on CUDA with a
+    bf16 head (not with fp8, not when disabled); the log line says which."""
+    from track_1_short.model.fp8 import Fp8Matmuls, PlainMatmuls
+    from track_1_short.model.fp8_config import Fp8Config
+    from track_1_short.trainer import build
+
+    model = _model(fp8=Fp8Config(enabled=True))
+    with pytest.warns(UserWarning, match="fp8 matmuls cannot run on cpu"):
+        build.prepare_for_device(model, torch.device("cpu"))
+    assert type(model.matmuls) is PlainMatmuls and model.head_loss is None
+    assert build.describe_strategies(model) == "training forward: bf16/fp32 matmuls, torch (model/loss.py) loss"
+    pytest.importorskip("triton")
+    build._install_fused_loss(model, torch.device("cuda"), enabled=False)
+    assert model.head_loss is None
+    build._install_fused_loss(model, torch.device("cuda"), enabled=True)
+    from track_1_short.kernels.softcap_ce import linear_softcap_ce
+    assert model.head_loss is linear_softcap_ce
+    assert "fused Triton kernel" in build.describe_strategies(model)
+    model.head_loss = None
+    model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
+    build._install_fused_loss(model, torch.device("cuda"), enabled=True)
+    assert model.head_loss is None, "an fp8 lm head keeps the torch loss over its fp8 logits"

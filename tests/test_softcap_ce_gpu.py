@@ -147,3 +147,38 @@ def test_forward_and_backward_do_not_sync_the_host():
         torch.autograd.grad(loss.sum(), (x, w))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_installed_in_the_model_equals_the_torch_loss():
+    """The trainer's install (trainer/build.py prepare_for_device) on a tiny GPT on CUDA: the
+    fused head loss is the model's, and its per-token loss and every gradient equal the torch
+    path's (the same model with head_loss None) within bf16 rounding."""
+    from tests.test_model import _batch, _slots
+    from track_1_short.model.gpt import GPT, ForwardScheduleConfig, GPTConfig
+    from track_1_short.trainer.build import prepare_for_device
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.tiny(attention_backend="reference"))
+    with torch.no_grad():
+        model.lm_head.normal_(0, 0.2)
+        model.mlp_bank[:, 1].normal_(0, 0.05)
+    model = prepare_for_device(model.to(device), device)
+    assert model.head_loss is linear_softcap_ce
+    inputs, targets, cu = (t.to(device) for t in _batch(256, 8, 3, seed=0))
+    cfg = ForwardScheduleConfig(torch.tensor([1.0, 0.5], device=device),
+                                torch.tensor(0.25, device=device), 32, 96, 256)
+    out = {}
+    for fused in (True, False):
+        model.head_loss = linear_softcap_ce if fused else None
+        loss = model(inputs, targets, cu, _slots(model, inputs), cfg)
+        loss.sum().backward()
+        out[fused] = (loss.detach().float(), {n: p.grad.float().clone() for n, p in
+                                              model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    (loss_f, grads_f), (loss_t, grads_t) = out[True], out[False]
+    assert (loss_f - loss_t).abs().max().item() < 1e-3 * loss_t.abs().max().item()
+    assert grads_f.keys() == grads_t.keys()
+    for name in grads_t:
+        err = ((grads_f[name] - grads_t[name]).norm() / grads_t[name].norm().clamp_min(1e-12)).item()
+        assert err < 2e-2, f"{name}: relative error {err:.3g}"

@@ -47,7 +47,7 @@ def test_train_writes_outputs_and_learns(shard_dir, tmp_path):
 
 def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
     """Host clock (CPU): phase = time from the previous mark; unstarted steps ignore marks."""
-    clock = iter([10.0, 10.5, 10.75, 11.0])
+    clock = iter([9.0, 10.0, 10.5, 10.75, 11.0, 11.25])  # host start, marks, end, host stop
     monkeypatch.setattr("track_1_short.trainer.timing.time.perf_counter", lambda: next(clock))
     timer = StepTimer(torch.device("cpu"))
     timer.mark(3, "micro_steps")  # a warmup step: not started, ignored (reads no clock)
@@ -57,6 +57,7 @@ def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
     timer.stop(7)
     assert timer.resolve() == {7: pytest.approx(1000.0)}
     assert timer.phase_ms == {7: {"micro_steps": pytest.approx(500.0), "optimizer": pytest.approx(250.0)}}
+    assert timer.host_ms == {7: pytest.approx(2250.0)}  # the host's time to issue step 7
 
 
 def test_deterministic_mode_is_scoped_to_the_run(monkeypatch):

@@ -83,6 +83,8 @@ class TrainConfig:
     save_every: int = 0  # checkpoint every N steps (0: only at the end when --save-final)
     save_final: bool = True
     validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
+    # the fused lm-head + softcapped CE kernel (kernels/softcap_ce.py) on CUDA with a bf16 lm head
+    fused_loss: bool = True
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -245,6 +247,25 @@ def _add_run_flags(add) -> None:
         help="empty an existing run dir of this --run-id and start it clean")
 
 
+def _add_speed_flags(add) -> None:
+    """How the step runs: compile, fp8, the fused loss, compile caches, attention backend."""
+    add("--compile", action=argparse.BooleanOptionalAction, default=None,
+        help=f"torch.compile the model ({_by_preset(lambda c: c.train.compile)})")
+    add("--fp8", action=argparse.BooleanOptionalAction, default=None,
+        help=f"fp8 lm head / MLP matmuls on CUDA ({_by_preset(lambda c: c.model.fp8.enabled)})")
+    add("--fused-loss", action=argparse.BooleanOptionalAction, default=None,
+        help="the fused lm-head + softcapped CE Triton kernel on CUDA (bf16 lm head; "
+             "--no-fused-loss: the torch loss); default on")
+    add("--compile-cache", type=Path,
+        help="portable compile-cache file: loaded if present, written after warmup (lets a fresh "
+             "machine skip most of the compile); default none")
+    add("--warmup-only", action="store_true",
+        help="compile, capture and self-check every key, write warmup.json, exit (fills the "
+             "compile caches for a following run on the same machine)")
+    add("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
+        help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m track_1_short.train",
                                 usage="%(prog)s [--preset NAME] [options] (--help lists them)",
@@ -259,18 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
              f"self-checks during the timed run ({_by_preset(lambda c: c.graphs.mode)})")
     add("--check-fraction", type=float,
         help=f"--graphs check: share of steps checked ({_by_preset(lambda c: c.graphs.check_fraction)})")
-    add("--compile", action=argparse.BooleanOptionalAction, default=None,
-        help=f"torch.compile the model ({_by_preset(lambda c: c.train.compile)})")
-    add("--fp8", action=argparse.BooleanOptionalAction, default=None,
-        help=f"fp8 lm head / MLP matmuls on CUDA ({_by_preset(lambda c: c.model.fp8.enabled)})")
-    add("--compile-cache", type=Path,
-        help="portable compile-cache file: loaded if present, written after warmup (lets a fresh "
-             "machine skip most of the compile); default none")
-    add("--warmup-only", action="store_true",
-        help="compile, capture and self-check every key, write warmup.json, exit (fills the "
-             "compile caches for a following run on the same machine)")
-    add("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
-        help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
+    _add_speed_flags(add)
     add("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
     add("--seed", type=int, help=f"model init seed ({_by_preset(lambda c: c.train.seed)})")
     add("--data-seed", type=int, help=f"document order seed ({_by_preset(lambda c: c.data.seed)})")
@@ -334,6 +344,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.graphs, "check_fraction", args.check_fraction)
     _set(cfg.train, "compile", args.compile)
     _set(cfg.train, "compile_cache", args.compile_cache)
+    _set(cfg.train, "fused_loss", args.fused_loss)
     _set(cfg.train, "optimizer", args.optimizer)
     if cfg.train.optimizer == "adamw":  # AdamW updates every step (optim/adamw_baseline.py)
         cfg.schedule.adam_every = 1

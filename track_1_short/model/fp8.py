@@ -365,9 +365,20 @@ class DelayedScales(nn.Module):
         self.bootstrap_left.fill_(self.bootstrap_steps)
 
 
-class Fp8Matmuls(nn.Module):
-    """The lm head's static scale buffers, the MLP down projections' per-layer delayed scales
-    (`mlp_down[i]`), and the matmul that picks fp8 or bf16 per call site."""
+class PlainMatmuls(nn.Module):
+    """The default matmul strategy of GPT's training forward (and always of eval): x @ w in x's
+    dtype at every call site. No buffers. The trainer installs Fp8Matmuls instead (--fp8)."""
+
+    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
+        """x [T, K] @ w [K, N] -> [T, N] in x's dtype (`which`, `layer` name the call site)."""
+        return x @ w.to(x.dtype)
+
+
+class Fp8Matmuls(PlainMatmuls):
+    """The fp8 matmul strategy: the lm head's static scale buffers, the MLP down projections'
+    per-layer delayed scales (`mlp_down[i]`), and the matmul that picks fp8 or bf16 per call
+    site. Installed by the trainer as GPT.matmuls (trainer/build.py) for the training forward
+    only; eval keeps PlainMatmuls, so it never quantises nor advances the delayed scales."""
 
     def __init__(self, cfg: Fp8Config, *, num_layers: int):
         super().__init__()
@@ -394,18 +405,16 @@ class Fp8Matmuls(nn.Module):
                              f"{self.lm_head_x_scale.device}; call resolve after model.to(device)")
         return self.active
 
-    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None, *,
-               fp8: bool = True) -> Tensor:
-        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active and `fp8`: fp8 with the scales of call
-        site `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`,
-        whose buffers this call advances); else x @ w in x's dtype and no buffer is touched (the
-        eval path passes fp8=False)."""
+    def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
+        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active: fp8 with the scales of call site
+        `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`, whose
+        buffers this call advances); inactive: x @ w in x's dtype and no buffer is touched."""
         if which not in SITES:
             raise ValueError(f"Fp8Matmuls.matmul(which={which!r}): one of {SITES}")
         if which == "mlp_down" and not (layer is not None and 0 <= layer < len(self.mlp_down)):
             raise ValueError(f"Fp8Matmuls.matmul(which='mlp_down', layer={layer}): the layer index "
                              f"in [0, {len(self.mlp_down)}) selects the delayed scales")
-        if not (self.active and fp8):
+        if not self.active:
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)

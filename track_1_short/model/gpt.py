@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from track_1_short.model.attention import attention, pair_heads, resolve_backend, unpair_heads
-from track_1_short.model.fp8 import Fp8Matmuls
+from track_1_short.model.fp8 import PlainMatmuls
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.loss import per_token_ce, softcap, training_loss
 from track_1_short.model.ngram_lookup import NgramLookup
@@ -79,6 +79,9 @@ class ForwardScheduleConfig:
     ws_short: int  # tokens
     ws_long: int  # tokens
     train_max_seq_len: int  # tokens
+
+
+EVAL_MATMULS = PlainMatmuls()  # eval never runs fp8 (nor advances its delayed scales)
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -130,7 +133,12 @@ class GPT(nn.Module):
         self.yarn = Yarn(dh, c.max_position)
         self.yarn_paired_head = Yarn(dh, c.max_position, paired=True)
         self.yarn_wide = Yarn(dh, c.max_position)
-        self.fp8 = Fp8Matmuls(c.fp8, num_layers=nl)  # per-layer MLP-down delayed scales
+        # Strategies the trainer may replace before compiling (trainer/build.py prepare_model):
+        # the training forward's matmuls (fp8: model/fp8.Fp8Matmuls) and its lm-head loss (the
+        # fused kernel, kernels/softcap_ce.py: f(x, lm_head, targets, mtp_weights, prefix_weight,
+        # prefix_targets) -> [T]). Eval always uses plain matmuls and the torch loss.
+        self.matmuls: PlainMatmuls = PlainMatmuls()
+        self.head_loss = None  # None: softcap(matmuls lm_head) -> loss.training_loss
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
         self.yarn_window: int | None = None  # ws_long the YaRN tables serve (None: the base tables)
@@ -177,15 +185,19 @@ class GPT(nn.Module):
                 value_embed_grad: Tensor | None = None) -> Tensor:
         """Per-token training loss float32 [T]; the trainer backpropagates loss.sum()."""
         x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
-                        cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len, use_fp8=True)  # [T, D]
-        capped = softcap(self.fp8.matmul(x, self.lm_head, which="lm_head"))  # [T, V]
-        return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight,
-                             self.prefix_table[targets])
+                        cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len, self.matmuls)  # [T, D]
+        prefix_targets = self.prefix_table[targets]  # [T], -1: no prefix term
+        if self.head_loss is not None:
+            return self.head_loss(x, self.lm_head, targets, cfg.mtp_weights, cfg.prefix_weight,
+                                  prefix_targets)
+        capped = softcap(self.matmuls.matmul(x, self.lm_head, "lm_head"))  # [T, V]
+        return training_loss(capped, targets, cfg.mtp_weights, cfg.prefix_weight, prefix_targets)
 
     def eval_ce(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
                 ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:
         """Per-token CE float32 [T] (no MTP, no prefix term, no fp8), logits in chunks."""
-        x = self._trunk(inputs, cum_seqlens, ngram_slots, None, None, ws_short, ws_long, max_seq_len)
+        x = self._trunk(inputs, cum_seqlens, ngram_slots, None, None, ws_short, ws_long, max_seq_len,
+                        EVAL_MATMULS)
         chunk = self.config.eval_chunk_tokens
         out = []
         for start in range(0, x.shape[0], chunk):
@@ -201,10 +213,9 @@ class GPT(nn.Module):
         raise ValueError("call model.resolve_attention_backend(device) before the first forward")
 
     def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
-               ws_short: int, ws_long: int, max_seq_len: int, use_fp8: bool = False) -> Tensor:
-        """Embedding through the last layer; returns rms_norm(x) [T, D]. use_fp8 (training
-        forward only): the MLP up and down projections go through self.fp8 (fp8 when resolved
-        active); eval passes False, so it never quantises nor advances the delayed scales."""
+               ws_short: int, ws_long: int, max_seq_len: int, matmuls: PlainMatmuls) -> Tensor:
+        """Embedding through the last layer; returns rms_norm(x) [T, D]. `matmuls`: the MLP
+        projections' strategy (the training forward's self.matmuls; eval's plain one)."""
         c = self.config
         backend = self._backend(inputs.device)
         x = self.embed(inputs)  # [T, D]
@@ -223,7 +234,7 @@ class GPT(nn.Module):
                 window = ws_long if i in c.long_window_layers else ws_short
                 x = self._attention_block(i, x, x0, ngram, ves.get(i), cum_seqlens, window,
                                           max_seq_len, backend)
-            x = self._mlp_block(i, x, use_fp8)
+            x = self._mlp_block(i, x, matmuls)
             if i == c.skip_from_layer:
                 skip = x
         return rms_norm(x)
@@ -269,11 +280,10 @@ class GPT(nn.Module):
             k = torch.cat([k[:, :, :half], torch.cat([k[:1, :, half:], k[:-1, :, half:]])], dim=-1)
         return attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
 
-    def _mlp_block(self, i: int, x: Tensor, use_fp8: bool) -> Tensor:
+    def _mlp_block(self, i: int, x: Tensor, matmuls: PlainMatmuls) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
-        # use_fp8 (training forward only): fp8 when resolved active; mlp_down advances layer i's
-        # delayed scales (fp8.py), which eval (use_fp8=False) must never touch
-        up = self.fp8.matmul(rms_norm(x), w[0].t(), "mlp_up", fp8=use_fp8)  # [T, F]
+        # with fp8 installed (training forward only), mlp_down advances layer i's delayed scales
+        up = matmuls.matmul(rms_norm(x), w[0].t(), "mlp_up")  # [T, F]
         hidden = F.relu(up).square()  # [T, F]
-        y = self.fp8.matmul(hidden, w[1], "mlp_down", layer=i, fp8=use_fp8)  # [T, D]
+        y = matmuls.matmul(hidden, w[1], "mlp_down", layer=i)  # [T, D]
         return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y

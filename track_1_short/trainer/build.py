@@ -8,12 +8,15 @@ sharded the n-gram table, built the optimizer, compiled and made the step runner
 prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
   2. attention backend: a per-device choice the compiled forward specializes on;
-  3. fp8 matmuls resolved: they need the device, and change what the compiled forward traces;
+  3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
+     need the device, add scale buffers the graphs bake) and the fused lm-head loss kernel
+     (CUDA, bf16 head; --no-fused-loss keeps the torch loss): both change what compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
   5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
-     takes value_embeds' gradient buffer;
+     takes value_embeds' gradient buffer; wrapped in OptimizerGraphs (its device half captured
+     per cadence, perf/cuda_graphs/optimizer_graphs.py) with --graphs on, on one rank;
   6. compile: wraps the model as it now is (every later change would be a recompile);
   7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
      to the optimizer's parameters; the row prefetch wraps the sharded table.
@@ -28,12 +31,14 @@ import torch
 from track_1_short.config import RunConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
 from track_1_short.distributed import DistributedContext
+from track_1_short.model.fp8 import Fp8Matmuls
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
 from track_1_short.model.loss import build_prefix_table
 from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys
+from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
@@ -90,19 +95,47 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
         opt = AdamWBaseline(model.named_parameters(), lr=cfg.train.adamw_lr)
     else:
         opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
-                           tied_embed_head=(model.embed.weight, model.lm_head))
+                           tied_embed_head=(model.embed.weight, model.lm_head),
+                           names={p: n for n, p in model.named_parameters()})
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
     return opt
 
 
-def prepare_for_device(model: GPT, device: torch.device) -> GPT:
+def _install_fp8(model: GPT, device: torch.device) -> None:
+    """--fp8: Fp8Matmuls as the training forward's matmul strategy, where it can run (where it
+    cannot, Fp8Matmuls.resolve warns naming the device and the reason, and bf16 stays)."""
+    if not model.config.fp8.enabled:
+        return
+    fp8 = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers).to(device)
+    if fp8.resolve(device):
+        model.matmuls = fp8
+
+
+def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None:
+    """The fused lm-head + softcapped CE kernel as the training forward's head loss: on CUDA with
+    a bf16 lm head (an fp8 lm head keeps the torch loss over its fp8 logits)."""
+    if enabled and device.type == "cuda" and not isinstance(model.matmuls, Fp8Matmuls):
+        from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
+        model.head_loss = linear_softcap_ce
+
+
+def describe_strategies(model: GPT) -> str:
+    """One log line: which matmuls and which loss the training forward runs."""
+    matmuls = "fp8 (lm head, MLP)" if isinstance(model.matmuls, Fp8Matmuls) else "bf16/fp32"
+    loss = ("fused Triton kernel (kernels/softcap_ce.py)" if model.head_loss is not None
+            else "torch (model/loss.py)")
+    return f"training forward: {matmuls} matmuls, {loss} loss"
+
+
+def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True) -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
         for name, p in model.named_parameters():
             if name in BF16_PARAMS:
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
-    model.fp8.resolve(device)  # --fp8 where it cannot run (CPU, pre-Hopper GPU) warns
+    _install_fp8(model, device)
+    _install_fused_loss(model, device, fused_loss)
     return model
 
 
@@ -111,14 +144,20 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
-    prepare_for_device(model, device)  # 1.-3.
+    prepare_for_device(model, device, cfg.train.fused_loss)  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
                        micro_steps=spec.micro_steps)
     if ctx.world_size > 1:
         ngram.shard(ctx.rank, ctx.world_size)
-    optimizer = build_optimizer(cfg, model, ctx)  # 5.
+    optimizer = make_optimizer_graphs(  # 5. (its step captured per cadence with --graphs on)
+        build_optimizer(cfg, model, ctx),
+        OptimizerGraphsConfig(mode=cfg.graphs.mode, check_fraction=cfg.graphs.check_fraction,
+                              seed=cfg.graphs.seed,
+                              # one micro-step: p.grad is the step graph's own buffer (per key)
+                              grad_inputs="adopt" if spec.micro_steps > 1 else "stage"),
+        plans=spec.plans, untie_step=spec.untie_step, backend=graph_backend, device=device)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:  # 6.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,

@@ -34,7 +34,7 @@ from track_1_short.perf import compile_cache
 from track_1_short.perf.compile_cache import CompileCacheError
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.trainer import checkpoint
-from track_1_short.trainer.build import build_run, make_loader, make_spec
+from track_1_short.trainer.build import build_run, describe_strategies, make_loader, make_spec
 from track_1_short.trainer.checkpoint import CheckpointError
 from track_1_short.trainer.phases import timed_run, validate, warmup_and_capture
 from track_1_short.trainer.preflight import (Preflight, PreflightError, check_device,
@@ -110,6 +110,7 @@ def prepare_run(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: G
     if ctx.is_main:
         if cache_log:
             print(f"compile cache: {cache_log}", flush=True)
+        print(describe_strategies(run.parts.model), flush=True)
         print(f"run dir {pre.run_dir}; attention backend {run.parts.model.attention_backend}; "
               f"{ctx.world_size} rank(s) x {run.spec.micro_steps} micro-step(s); validation "
               f"{num_val_slices(run.val_tokens.size, cfg.data.val_tokens_per_batch)} batch(es) of "
@@ -118,16 +119,18 @@ def prepare_run(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: G
     initial = snapshot_state(run.parts)
     if cfg.train.compile or cfg.graphs.mode != "off":
         warmup_and_capture(run)
-        census_before = baked_addresses.take_census(run.parts.model, run.parts.runner)
-        restore_state(run.parts, initial)  # in place: parameters, optimizer, tables, YaRN
-        baked_addresses.compare(census_before,
-                                baked_addresses.take_census(run.parts.model, run.parts.runner))
+        parts = run.parts
+        census_before = baked_addresses.take_census(parts.model, parts.runner, parts.optimizer)
+        restore_state(parts, initial)  # in place: parameters, optimizer, tables, YaRN
+        baked_addresses.compare(census_before, baked_addresses.take_census(
+            parts.model, parts.runner, parts.optimizer))
         if cfg.train.compile_cache and ctx.is_main:
             # every graph of the run is compiled now (the summary's compiles show none later)
             run.log.compile_cache["saved"] = compile_cache.save(cfg.train.compile_cache)
     elif ctx.is_main:
         print("warmup skipped: an uncompiled eager model has nothing to compile or capture", flush=True)
     run.parts.runner.seal()
+    run.parts.optimizer.seal()
     return run
 
 

@@ -90,7 +90,8 @@ def warmup_and_capture(run: Run) -> None:
     n-gram events and every window change, on a warmup data order."""
     spec, parts, is_main = run.spec, run.parts, run.spec.ctx.is_main
     keys = step_keys(spec.schedule, num_steps=spec.num_steps)
-    visits = warmup_visit_plan(spec.schedule, num_steps=spec.num_steps)
+    # every step-graph key and every optimizer cadence visited twice (capture, then self-check)
+    visits = parts.optimizer.warmup_visits(warmup_visit_plan(spec.schedule, num_steps=spec.num_steps))
     if is_main:
         print(describe_plan(spec.schedule, keys, visits), flush=True)
     loader = make_loader(spec, seed_offset=10_000, steps=visits)

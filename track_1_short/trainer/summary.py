@@ -38,6 +38,7 @@ def run_facts(run: Run) -> dict:
         "compile_cache": log.compile_cache, "graphs": cfg.graphs.mode,
         "attention_backend": run.parts.model.attention_backend,
         "capture_report": run.parts.runner.capture_report(),
+        "optimizer_capture_report": run.parts.optimizer.capture_report(),
         "peak_memory_gib": (torch.cuda.max_memory_allocated(ctx.device) / 2**30
                             if ctx.device.type == "cuda" else None),
         "config": cfg.to_dict(),

@@ -10,11 +10,14 @@ point 4: vLLM #48941, TransformerEngine PRs #2044 and #869). PyTorch checks only
 
 What it covers: every named parameter and every named buffer of the model and every
 `step_runner.baked_tensors()` entry (static inputs, n-gram sinks and ring, value_embeds'
-grad_accum, the persistent gradient accumulators).
+grad_accum, the persistent gradient accumulators), and every entry of the further sources passed
+after it (OptimizerGraphs.baked_tensors(): the optimizer's state tensors, step values, masters, lr
+multipliers and the gradient buffers its graphs read).
 
-Call order: train.py after the warmup: `before = take_census(...)`, post-warmup reset (in place),
-`compare(before, take_census(...))` (fatal CensusError naming each changed role), then
-`runner.seal()`; `census.to_json()` goes to the run log. Cheap (a Python walk, no device work).
+Call order: train.py after the warmup: `before = take_census(model, runner, optimizer)`,
+post-warmup reset (in place), `compare(before, take_census(model, runner, optimizer))` (fatal
+CensusError naming each changed role), then `runner.seal()`, `optimizer.seal()`;
+`census.to_json()` goes to the run log. Cheap (a Python walk, no device work).
 
 Provenance: DESIGN.md section 4 "Census"; the seed's `baked_tensors()` contract.
 Deviations: none.
@@ -54,16 +57,18 @@ class Census:
                            for role, e in self.entries.items()}, sort_keys=True)
 
 
-def take_census(model: nn.Module, step_runner) -> Census:
-    """Snapshot of every address the step graphs depend on (`step_runner`: StepGraphs or EagerStep,
-    anything with baked_tensors())."""
+def take_census(model: nn.Module, step_runner, *more_sources) -> Census:
+    """Snapshot of every address the graphs depend on (`step_runner`: StepGraphs or EagerStep;
+    `more_sources`: e.g. OptimizerGraphs or EagerOptimizer; anything with baked_tensors(). All
+    sources share the "baked:" prefix, so a role listed by two of them is an error)."""
     census = Census()
     for name, param in model.named_parameters():
         census.add(f"param:{name}", param)
     for name, buffer in model.named_buffers():
         census.add(f"buffer:{name}", buffer)
-    for role, tensor in step_runner.baked_tensors():
-        census.add(f"baked:{role}", tensor)
+    for source in (step_runner, *more_sources):
+        for role, tensor in source.baked_tensors():
+            census.add(f"baked:{role}", tensor)
     return census
 
 

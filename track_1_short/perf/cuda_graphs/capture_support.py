@@ -13,11 +13,13 @@ naming the key, the phase and the usual host-sync culprits. Optionally the warm 
 the first (compilation) run under `torch.cuda.set_sync_debug_mode("error")`, which points at the
 offending line before the capture does.
 
-The GRAPH BACKEND abstraction lets step_graphs.py run unchanged on CPU in tests:
+The GRAPH BACKEND abstraction lets step_graphs.py and optimizer_graphs.py run unchanged on CPU
+in tests:
     CudaGraphBackend        torch.cuda.CUDAGraph, torch.cuda.graph(..., thread_local), one pool
-    RecordingGraphBackend   CPU stand-in (library code, used by tests/test_step_graphs.py): the
-                            "capture" runs the callables once and records them; replay() re-runs
-                            them and writes the results INTO the tensors the capture returned, so
+    RecordingGraphBackend   CPU stand-in (library code, used by tests/test_step_graphs.py and
+                            tests/test_optimizer_graphs.py): the "capture" runs the callables
+                            once and records them; replay() re-runs them and writes the results
+                            INTO the tensors the capture returned, so
                             outputs live at fixed addresses and are overwritten by every replay,
                             and inputs are read from the static buffers at replay time, as on the
                             GPU. What it cannot reproduce: a graph baking a Python value or a stale
@@ -30,7 +32,8 @@ iterations, both backends' captures and the eager twin all call it. retain_graph
 False: AOTAutograd compiles the backward with donated buffers and refuses otherwise (record #360).
 
 Call order: StepGraphs._capture (warmup only): `warm_up(...)` on the side stream, then
-`backend.capture_pair(...)` inside `paused_gc()`.
+`backend.capture_pair(...)` inside `paused_gc()`. OptimizerGraphs._capture (optimizer_graphs.py)
+likewise, with `backend.capture_call(...)`: one callable (AnvilAndAdam.run_step) per graph.
 
 Provenance: record #360 (`_CGraphRunner` capture code); Megatron/torchtitan thread_local capture
 and GC freeze; anchors section 5 item 7 ("capture hygiene by default").
@@ -88,7 +91,8 @@ def paused_gc() -> Iterator[None]:
 
 
 @contextmanager
-def translate_capture_errors(key: object, phase: str) -> Iterator[None]:
+def translate_capture_errors(key: object, phase: str, graph: str = "step graph",
+                             region: str = "the captured forward/backward") -> Iterator[None]:
     """Re-raise a capture-forbidden operation as a CaptureError that says where to look."""
     try:
         yield
@@ -100,8 +104,8 @@ def translate_capture_errors(key: object, phase: str) -> Iterator[None]:
                 marker in message for marker in _CAPTURE_ERROR_MARKERS for message in messages):
             raise
         raise CaptureError(
-            f"capture of the {phase} of step graph {key} failed: a host sync or capture-forbidden "
-            f"operation ran inside the captured forward/backward (.item(), .cpu(), .tolist(), "
+            f"capture of the {phase} of {graph} {key} failed: a host sync or capture-forbidden "
+            f"operation ran inside {region} (.item(), .cpu(), .tolist(), "
             f"nonzero, boolean-mask indexing, print of a CUDA tensor, a blocking pinned "
             f"allocation). Find it with --graphs off and torch.cuda.set_sync_debug_mode('error'). "
             f"Original error: {error}") from error
@@ -127,6 +131,9 @@ class GraphBackend(Protocol):
     def capture_pair(self, forward: Any, backward: Any, loss_fn: Callable[[], Tensor],
                      leaves: Sequence[Tensor], *, pool: Any, stream: Any,
                      key: object) -> CapturedPair: ...
+
+    def capture_call(self, graph: Any, fn: Callable[[], object], *, pool: Any, stream: Any,
+                     key: object, graph_kind: str) -> int | None: ...
 
 
 class CudaGraphBackend:
@@ -177,6 +184,18 @@ class CudaGraphBackend:
             grads = loss_grads(loss, leaves)
         torch.cuda.synchronize()
         return CapturedPair(loss, grads, torch.cuda.memory_reserved() - reserved_before)
+
+    def capture_call(self, graph, fn, *, pool, stream, key, graph_kind):
+        """One callable into `graph` (its outputs are in-place writes); returns the pool growth in
+        bytes. Used by optimizer_graphs.py for AnvilAndAdam.run_step."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # as in capture_pair: the delta is the pool's growth
+        reserved_before = torch.cuda.memory_reserved()
+        with translate_capture_errors(key, "step", graph_kind, "the captured callable"), \
+                torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            fn()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved() - reserved_before
 
 
 class FakeStream:
@@ -255,6 +274,14 @@ class RecordingGraphBackend:
 
         forward._replay, backward._replay = replay_forward, replay_backward
         return CapturedPair(loss, grads, None)
+
+    def capture_call(self, graph: FakeGraph, fn, *, pool, stream, key, graph_kind) -> None:
+        """Runs `fn` once (a real capture only records it) and replays re-run it: in-place outputs
+        land where the capture wrote them, inputs are read at replay time."""
+        with translate_capture_errors(key, "step", graph_kind, "the captured callable"):
+            fn()
+        graph._replay = fn
+        return None
 
 
 def warm_up(backend: GraphBackend, stream: Any, step_fn: Callable[[], object], iterations: int,
