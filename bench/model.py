@@ -129,7 +129,8 @@ def finish(results: common.Results) -> None:
 def bench_key(spec, model, fn, device, iters: int, warmup: int, profile_top: int = 0) -> dict:
     common.set_yarn(model, spec)
     batch, pieces = common.model_batch(spec, model, device, seed=1000 + spec.tokens)
-    slots = NgramStore(model.ngram_table).slots_for(batch.inputs)  # rows of a zero table
+    # rows of a zero table (the store holds no gradient here: cycle and micro-steps of 1)
+    slots = NgramStore(model.ngram_table, cycle=1, micro_steps=1).slots_for(batch.inputs)
     cfg = common.forward_config(spec, device)
     sink = model.ngram_table.grad_sink(spec.tokens)
     leaves = [p for _, p in model.named_parameters()] + [sink]

@@ -2,9 +2,9 @@
 
 What it measures, per compile mode (--compile off,on: AnvilConfig.compile False / True, same process,
 one optimizer at a time over the same model):
-- step_ms.even / step_ms.odd: wall time of `optimizer.step(step, lr_scale)` from CUDA events around
-  each call (perf_counter on CPU), separately for even steps (ANVIL banks only) and odd steps (banks
-  + Adam), median and spread over --steps timed steps after --warmup untimed ones (the compiled
+- step_ms.even / step_ms.odd: wall time of `optimizer.step(step, lr_scale, momentum, adam_step)`
+  from CUDA events around each call (perf_counter on CPU), separately for even steps (ANVIL banks
+  only) and odd steps (banks + Adam: the preset schedule's plan.adam_step), median and spread over --steps timed steps after --warmup untimed ones (the compiled
   mode compiles during the warmup: it spans an even and an odd step);
 - unit_ms: each unit of work alone, no comms: every bank's anvil_bank_step_ on this rank's shard,
   every table's adam_step_ and the small-parameter group's adam_group_step_;
@@ -48,6 +48,7 @@ from bench import common
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.optim.anvil import AnvilAndAdam, _reduce_scatter, build_param_cfgs
 from track_1_short.perf import compile_cache
+from track_1_short.schedule import Schedule
 
 MODES = {"off": False, "on": True}
 
@@ -96,13 +97,15 @@ def main(argv=None):
     results = common.Results(Path(args.out), device, **header) if ctx.is_main else None
     data = results.data if results is not None else header
     grads = {p: torch.randn_like(p) for p in model.parameters()}  # persistent "graph buffers"
+    schedule = Schedule(cfg.schedule)  # the cadence: plan(step).adam_step
     for mode in modes:
         cfg.optim = dataclasses.replace(cfg.optim, compile=MODES[mode],
                                         compile_backend="aot_eager" if args.smoke else "inductor")
         opt = build_optimizer(cfg, model)
         if args.untied:
             opt.untie_embed_head()  # as the trainer does at stage C's first step (zero state here)
-        row = common.run_guarded(mode, lambda o=opt: bench_mode(o, model, grads, args, ctx), data["errors"])
+        row = common.run_guarded(mode, lambda o=opt: bench_mode(o, model, grads, schedule, args, ctx),
+                                 data["errors"])
         if row is not None:
             data["modes"][mode] = {"compiled": opt.compiled, **row}
         if results is not None:
@@ -134,7 +137,7 @@ def build_optimizer(cfg, model) -> AnvilAndAdam:
     return opt
 
 
-def bench_mode(opt: AnvilAndAdam, model, grads: dict, args, ctx) -> dict:
+def bench_mode(opt: AnvilAndAdam, model, grads: dict, schedule: Schedule, args, ctx) -> dict:
     """One compile mode: warmup, timed steps, units alone, comms alone (world size > 1)."""
     timer = Timer(ctx.device)
     ve, grad_accum = model.value_embeds.weight, model.value_embeds.grad_accum
@@ -155,9 +158,10 @@ def bench_mode(opt: AnvilAndAdam, model, grads: dict, args, ctx) -> dict:
             before = compile_cache.graphs_compiled()
         fill()
         lr_scale, momentum = 1.0 - 0.01 * step, 0.85 + 0.002 * step  # changing values: no recompile
-        ms = timer(lambda: opt.step(step, lr_scale=lr_scale, momentum=momentum))
+        adam_step = schedule.plan(step).adam_step
+        ms = timer(lambda: opt.step(step, lr_scale, momentum, adam_step))
         if step >= args.warmup:
-            times["odd" if opt.adam_step_due(step) else "even"].append(ms)
+            times["odd" if adam_step else "even"].append(ms)
     compiles["timed"] = compile_cache.graphs_compiled() - before
     step_ms = {k: common.summarize(v) for k, v in times.items()}
     row = dict(step_ms=step_ms, compiles=compiles, unit_ms=measure_units(opt, timer, args.steps))

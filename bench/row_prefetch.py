@@ -90,7 +90,7 @@ def _run(rank: int, world_size: int, args, device: torch.device) -> list[dict]:
     """warmup + steps micro-steps in the trainer's order; per-step timings (ms) after warmup."""
     sizes = dict(dim=16, bigram_rows=1024, trigram_rows=1024) if args.smoke else {}
     cfg = NgramConfig(cache_rows=2 * args.tokens, **sizes)
-    table = NgramStore(NgramLookup(cfg).to(device))
+    table = NgramStore(NgramLookup(cfg).to(device), cycle=1, micro_steps=1)  # holds no gradient
     table.shard(rank, world_size)
     prefetch, loader = RowPrefetch(table), LookaheadLoader(_SyntheticLoader(args.tokens, device, rank))
     cuda = device.type == "cuda"

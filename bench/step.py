@@ -61,8 +61,6 @@ def stage_config(args, graphs: str, runs_dir: Path):
     stage = dataclasses.replace(base, num_steps=args.steps + profile, extension=False)
     cfg.schedule = dataclasses.replace(cfg.schedule, stages=(stage,), momentum_warmup_steps=0,
                                        momentum_cooldown_steps=0)
-    cfg.optim = dataclasses.replace(cfg.optim, num_steps=stage.num_steps, momentum_warmup_steps=0,
-                                    momentum_cooldown_steps=0)
     cfg.graphs.mode = graphs if not args.smoke else "off"
     cfg.data.data_dir, cfg.data.micro_steps = Path(args.data_dir), args.micro_steps
     cfg.train = dataclasses.replace(

@@ -8,9 +8,9 @@ tokens, the 16-GPU regime where the host dominates), in ONE process on one GPU:
     graphs           StepGraphs (make_step_runner, --graphs on), the project's captured step
     reduce-overhead  torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False),
                      cudagraph_mark_step_begin() + training_loss + loss_grads + GradHandoff
-  Runners use a real AnvilAndAdam for param_cfgs (world size 1, grad_accum_steps 1) and a step_keys
-  list with 2 steps per key (both Adam parities; the n-gram hold alternates ring copy / event as in
-  the trainer). Graphs: every key is visited twice (capture, then self-check), then seal().
+  Runners use a real AnvilAndAdam for param_cfgs (world size 1, micro_steps 1) and a step_keys
+  list with 2 steps per key, whose cadences are the preset schedule's plans of those step numbers
+  (an Adam window's copy and add; the n-gram hold alternates ring copy / event as in the trainer). Graphs: every key is visited twice (capture, then self-check), then seal().
 - wall ms per step = host time over --steps steps with a synchronize at both ends / steps (what
   the user sees); median / p10 / p90 from CUDA events at step boundaries;
 - kernel ms per step from a torch.profiler run of another --steps steps (CUDA activity: summed
@@ -52,9 +52,10 @@ from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
 from track_1_short.perf.cuda_graphs.step_graphs import (GradHandoff, StepGraphsConfig, live_key,
                                                         make_step_runner, training_loss)
 from track_1_short.perf.ngram_store import NgramStore
+from track_1_short.schedule import Schedule
 
 VARIANTS = ("eager", "graphs", "reduce-overhead")  # run order (eager first: clean peak memory)
-STEPS_PER_KEY = 2  # step_keys entries per key: both Adam parities
+STEPS_PER_KEY = 2  # step_keys entries per key: an Adam window opened, then added to (speedrun plan)
 WARM_STEPS = 2  # untimed steps before each timed loop (after compile / capture)
 
 
@@ -71,9 +72,10 @@ class StepBench:
         self.optimizer.set_grad_buffer(m.value_embeds.weight, m.value_embeds.grad_accum)
         self.compiled = m if args.smoke else torch.compile(m, fullgraph=True, dynamic=False)
         self.specs = common.select_specs(args.keys, args.smoke, args.half_key)
-        self.cycle, self.adam_every = self.cfg.schedule.ngram_cycle, self.cfg.optim.adam_every
         self.inputs, self.fwd_cfg, self.first_step, self.step_keys = {}, {}, {}, []
-        store = NgramStore(m.ngram_table)  # fills the lookup's row cache (a zero table)
+        # fills the lookup's row cache (a zero table); its bound sizes the runners' n-gram ring
+        self.store = store = NgramStore(m.ngram_table, cycle=self.cfg.schedule.ngram_cycle,
+                                        micro_steps=1)
         for spec in self.specs:
             cfg = common.forward_config(spec, device)
             batches = [common.model_batch(spec, m, device, seed=s) for s in (1, 2)]
@@ -83,6 +85,8 @@ class StepBench:
             self.fwd_cfg[spec.name] = cfg
             self.first_step[spec.name] = len(self.step_keys)
             self.step_keys += [live_key(batches[0][0], cfg)] * STEPS_PER_KEY
+        self.schedule = Schedule(self.cfg.schedule)  # the cadences of the bench's step numbers
+        self.plans = [self.schedule.plan(step) for step in range(len(self.step_keys))]
         self.static_gib = common.memory_gib(device)["reserved_gib"]
 
     def runner(self, mode: str):
@@ -90,10 +94,9 @@ class StepBench:
             StepGraphsConfig(mode=mode, warm_iterations=1 if self.args.smoke else 3),
             model=self.compiled, optimizer=self.optimizer, step_keys=self.step_keys,
             ngram_table=self.model.ngram_table, value_embeds=self.model.value_embeds,
-            max_step_tokens=max(k.tokens for k in self.step_keys), adam_every=self.adam_every,
-            grad_accum_steps=1, device=self.device,
-            backend=RecordingGraphBackend() if self.args.smoke else None,
-            ngram_ring_slots=self.cycle)
+            max_step_tokens=max(k.tokens for k in self.step_keys), plans=self.plans,
+            micro_steps=1, ngram_ring_slots=self.store.max_held, device=self.device,
+            backend=RecordingGraphBackend() if self.args.smoke else None)
 
     def _step_of(self, spec, i: int) -> int:
         return self.first_step[spec.name] + i % STEPS_PER_KEY
@@ -103,11 +106,13 @@ class StepBench:
         def fn(i: int):
             step = self._step_of(spec, i)
             batch, slots, _ = self.inputs[spec.name][i % 2]
+            plan = self.plans[step]
             runner.forward(step, batch, slots, self.fwd_cfg[spec.name])
             ngram_grad = runner.backward()
-            pending = step % self.cycle  # held gradients so far in this n-gram cycle
-            runner.hold_ngram_grad(ngram_grad, pending, pending == self.cycle - 1)
-            self.optimizer.zero_grad(step)  # host-only: drops p.grad as optimizer.step ends
+            # held gradients so far in this n-gram cycle (one micro-step per step)
+            held = self.schedule.ngram_steps_held(step)
+            runner.hold_ngram_grad(ngram_grad, held, plan.ngram_event)
+            self.optimizer.zero_grad(plan.adam_step)  # host-only: drops p.grad as optimizer.step ends
         return fn
 
     def reduce_overhead_step(self, compiled, handoff: GradHandoff, spec):
@@ -123,7 +128,7 @@ class StepBench:
                                  self.fwd_cfg[spec.name], sink, m.value_embeds.grad_accum)
             grads = loss_grads(loss, params + [sink])
             handoff.hand_over(step, 0, [(p, g) for p, g in zip(params, grads) if g is not None])
-            self.optimizer.zero_grad(step)
+            self.optimizer.zero_grad(self.plans[step].adam_step)
         return fn
 
     def measure(self, fn, spec, compile_first: bool) -> dict:
@@ -210,7 +215,7 @@ def run_variants(bench: StepBench, results: common.Results, started: float) -> N
         # recompiled with the cudagraph backend, never served by a cached default-mode entry.
         torch._dynamo.reset()
         compiled = torch.compile(bench.model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-        handoff = GradHandoff(bench.optimizer.param_cfgs, bench.adam_every, 1)
+        handoff = GradHandoff(bench.optimizer.param_cfgs, bench.plans, 1)
         for spec in bench.specs:
             record("reduce-overhead", spec, unit(f"reduce-overhead {spec.name}", lambda: bench.measure(
                 bench.reduce_overhead_step(compiled, handoff, spec), spec, compile_first=True)))

@@ -32,7 +32,7 @@ def micro_config(data_dir: Path, runs_dir: Path, run_id: str, **train_kw) -> Run
         preset="test", model=model,
         schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=4, momentum_cooldown_steps=2,
                                 val_every_steps=4, final_val_ws_long=256),
-        optim=AnvilConfig(num_steps=12, momentum_warmup_steps=4, momentum_cooldown_steps=2),
+        optim=AnvilConfig(),
         graphs=StepGraphsConfig(mode="off"),
         data=DataConfig(data_dir=data_dir, slices_per_step=2, val_tokens=2048, val_tokens_per_batch=256,
                         val_cu_seqlens_rows=32),

@@ -21,8 +21,10 @@ from torch import nn
 
 from track_1_short.distributed import destroy_distributed, init_distributed, lost_ranks
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
+from track_1_short.schedule import Schedule, ScheduleConfig
 
 VOCAB, DIM, LAYERS, GLOBAL_BATCH, SEQ, STEPS, UNTIE_STEP = 50, 16, 4, 8, 6, 6, 1
+SPEEDRUN = Schedule(ScheduleConfig())  # every step's momentum and Adam cadence
 
 
 class Net(nn.Module):
@@ -74,7 +76,8 @@ def train(rank: int, world_size: int, device: str = "cpu", **anvil: str) -> dict
         model(mine[:, :-1], mine[:, 1:]).backward()
         grad_accum.add_(ve.grad)
         ve.grad = None
-        opt.step(step, lr_scale=1.0 - 0.1 * step)
+        plan = SPEEDRUN.plan(step)
+        opt.step(step, 1.0 - 0.1 * step, plan.momentum, plan.adam_step)
         if step == UNTIE_STEP:
             opt.untie_embed_head()
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

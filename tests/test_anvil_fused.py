@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from tests.test_anvil_math import F64, Tiny, adam_reference, cfgs_of, compose_matrix, normuon_reference
+from tests.test_anvil_math import (F64, SPEEDRUN, Tiny, adam_reference, cfgs_of, compose_matrix,
+                                   normuon_reference)
 from track_1_short.optim import anvil_math
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import AnvilConfig, ParamConfig
@@ -119,14 +120,15 @@ def _grads(model, gen, buffer):
 
 
 def _run(model, opt, steps, seed, untie_after=None):
-    """Steps with lr and momentum changing every step; value_embeds through a grad buffer."""
+    """Steps with lr and momentum changing every step, Adam on the speedrun plan's adam_step;
+    value_embeds through a grad buffer."""
     ve = model.value_embeds.weight
     buffer = opt.grad_buffers[ve]
     gen = torch.Generator(device=ve.device).manual_seed(seed)
     counts = []
     for step in steps:
         _grads(model, gen, buffer)
-        opt.step(step, lr_scale=1.0 - 0.05 * step, momentum=0.85 + 0.01 * step)
+        opt.step(step, 1.0 - 0.05 * step, 0.85 + 0.01 * step, SPEEDRUN.plan(step).adam_step)
         if step == untie_after:
             opt.untie_embed_head()
         counts.append(graphs_compiled())
@@ -205,10 +207,11 @@ def test_run_step_reads_only_the_written_values():
     gen = torch.Generator().manual_seed(26)
     for step in range(2):
         _grads(model, gen, opt.grad_buffers[model.value_embeds.weight])
-        opt.write_step_values(0, 3.0, 0.5)  # stale values (an even step: no Adam count), overwritten
-        opt.write_step_values(step, 1.0 - 0.05 * step, 0.85 + 0.01 * step)
-        opt.run_step(step, opt.adam_step_due(step))
-        opt.zero_grad(step)
+        adam_step = SPEEDRUN.plan(step).adam_step
+        opt.write_step_values(3.0, 0.5, False)  # stale values (no Adam count), overwritten
+        opt.write_step_values(1.0 - 0.05 * step, 0.85 + 0.01 * step, adam_step)
+        opt.run_step(step, adam_step)
+        opt.zero_grad(adam_step)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
 

@@ -5,6 +5,7 @@ composition of the input's; the [0.85, 1.15] band for normalised singular values
 Nesterov, NorMuon normalisation, the cautious updates, Adam (float64 reference and torch.optim.Adam),
 the banked ANVIL step against a per-matrix reference, the two-step Adam cadence, the value_embeds
 gradient buffer, tie/untie, state_dict round trip, in-place reset, config validation, name table.
+Steps take their momentum and Adam cadence from the speedrun schedule's plan (as train_step does).
 Hardware: CPU only (~10 s). Run: `.venv/bin/python -m pytest tests/test_anvil_math.py -q`.
 """
 
@@ -18,12 +19,19 @@ from torch import nn
 
 from track_1_short.optim import anvil_math
 from track_1_short.optim.anvil import AnvilAndAdam
-from track_1_short.optim.anvil_config import (PARAM_TABLE, AnvilConfig, ParamConfig, anvil_momentum,
-                                              build_param_cfgs)
+from track_1_short.optim.anvil_config import PARAM_TABLE, AnvilConfig, ParamConfig, build_param_cfgs
 from track_1_short.optim.polar_express import (PE_BAND, PE_LOWER, POLAR_EXPRESS_COEFFS,
                                                derive_coefficients, polar_express)
+from track_1_short.schedule import Schedule, ScheduleConfig
 
 F64 = torch.float64
+SPEEDRUN = Schedule(ScheduleConfig())  # every step's momentum and Adam cadence
+
+
+def plan_step(opt, step: int, lr_scale: float) -> None:
+    """opt.step with the speedrun plan's momentum and Adam cadence, as train_step calls it."""
+    plan = SPEEDRUN.plan(step)
+    opt.step(step, lr_scale, plan.momentum, plan.adam_step)
 
 
 def compose(x, coeffs=POLAR_EXPRESS_COEFFS):
@@ -264,8 +272,8 @@ def test_banked_anvil_step_matches_per_matrix_reference():
     before = {n: p.detach().to(F64).clone() for n, p in model.named_parameters()}
     random_grads(model, gen)
     grads = {n: p.grad.to(F64).clone() for n, p in model.named_parameters()}
-    opt.step(0, lr_scale=0.7)
-    lr, mu, wd = 0.023 * 0.7, anvil_momentum(0, opt.cfg), 1.2
+    plan_step(opt, 0, lr_scale=0.7)
+    lr, mu, wd = 0.023 * 0.7, SPEEDRUN.plan(0).momentum, 1.2
     for name in ("qk_bank", "vo_bank", "mlp_bank"):
         p0, g, p1 = before[name], grads[name], dict(model.named_parameters())[name].detach()
         rows, cols = p0.shape[-2:]
@@ -295,7 +303,7 @@ def test_adam_cadence_two_step_accumulation_and_grad_buffer():
         sums["value_embeds.weight"] += g_ve
         for n in adam_names[:3]:
             sums[n] = params[n].grad.clone()  # .grad accumulates across the two steps
-        opt.step(step, lr_scale=1.0)
+        plan_step(opt, step, lr_scale=1.0)
         if step == 0:
             for n in adam_names:
                 assert torch.equal(params[n], start[n]), f"{n} moved on an even step"
@@ -318,10 +326,10 @@ def test_tied_embed_head_and_untie():
     gen = torch.Generator().manual_seed(10)
     head0 = model.lm_head.detach().clone()
     random_grads(model, gen)
-    opt.step(0, 1.0)
+    plan_step(opt, 0, 1.0)
     random_grads(model, gen)  # both .grads now hold two steps' sums
     total = model.lm_head.grad + model.embed.weight.grad.T  # what lm_head must be updated with
-    opt.step(1, 1.0)
+    plan_step(opt, 1, 1.0)
     torch.testing.assert_close(model.embed.weight.detach(), model.lm_head.detach().T)
     c = opt.param_cfgs[model.lm_head]
     ref = adam_reference(head0.to(F64), [total.to(F64)], c.betas, 1e-10, 0.008,
@@ -336,9 +344,9 @@ def test_tied_embed_head_and_untie():
     torch.testing.assert_close(embed_state.exp_avg_sq, head_state.exp_avg_sq.T)
     assert embed_state.exp_avg.data_ptr() == ptr and opt.tied is None
     random_grads(model, gen)
-    opt.step(2, 1.0)
+    plan_step(opt, 2, 1.0)
     random_grads(model, gen)
-    opt.step(3, 1.0)
+    plan_step(opt, 3, 1.0)
     assert not torch.equal(model.embed.weight.detach(), model.lm_head.detach().T)
 
 
@@ -346,7 +354,7 @@ def run_steps(model, opt, steps, seed):
     gen = torch.Generator().manual_seed(seed)
     for step in steps:
         random_grads(model, gen)
-        opt.step(step, 1.0)
+        plan_step(opt, step, 1.0)
 
 
 def test_state_dict_round_trip_and_reset_in_place():
@@ -405,14 +413,12 @@ def test_bf16_params_keep_fp32_master():
     assert not torch.equal(bank.master, bank.shard.float())  # the master holds the extra bits
 
 
-# ---- config, table, schedule ----
+# ---- config, table ----
 
 @pytest.mark.parametrize("kw, field", [
     (dict(lr=0.0), "lr"), (dict(adam_lr=-1.0), "adam_lr"), (dict(adam_eps=0.0), "adam_eps"),
-    (dict(weight_decay=-1.0), "weight_decay"), (dict(momentum_min=0.99), "momentum_min"),
-    (dict(beta2=1.0), "beta2"), (dict(ns_steps=0), "ns_steps"), (dict(adam_every=0), "adam_every"),
-    (dict(ortho_dtype="fp8"), "ortho_dtype"), (dict(num_steps=10), "num_steps"),
-    (dict(momentum_warmup_steps=-1), "momentum_warmup_steps"),
+    (dict(weight_decay=-1.0), "weight_decay"), (dict(beta2=1.0), "beta2"),
+    (dict(ns_steps=0), "ns_steps"), (dict(ortho_dtype="fp8"), "ortho_dtype"),
     (dict(adam_weight_decay=-0.1), "adam_weight_decay"),
 ])
 def test_anvil_config_validation(kw, field):
@@ -444,11 +450,3 @@ def test_param_table():
     with pytest.raises(ValueError, match="qk_bank"):
         build_param_cfgs([("qk_bank", nn.Parameter(torch.zeros(2, 2)))])
 
-
-def test_momentum_schedule():
-    cfg = AnvilConfig()
-    assert anvil_momentum(0, cfg) == pytest.approx(0.85)
-    assert anvil_momentum(150, cfg) == pytest.approx(0.90)
-    assert anvil_momentum(300, cfg) == anvil_momentum(1235, cfg) == pytest.approx(0.95)
-    assert anvil_momentum(1284, cfg) == pytest.approx(0.95 - 0.1 * 49 / 50)
-    assert [AnvilAndAdam.adam_step_due(make_opt(Tiny()), s) for s in range(4)] == [False, True] * 2

@@ -118,7 +118,7 @@ def test_model_flex_matches_reference_with_paired_heads_and_key_offset():
     cu = _cu([40, 100, 3, 113], capacity=8)
     inputs[cu[:4].long()] = 50256
     targets = torch.randint(0, 50257, (t,))
-    slots = NgramStore(model.ngram_table).slots_for(inputs)
+    slots = NgramStore(model.ngram_table, cycle=1, micro_steps=1).slots_for(inputs)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = model.eval_ce(inputs, targets, cu, slots, 24, 72, 128)

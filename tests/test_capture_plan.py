@@ -5,8 +5,8 @@ CPU only, pure Python, < 1 s: `.venv/bin/python -m pytest tests/test_capture_pla
 
 import dataclasses
 
-from track_1_short.perf.cuda_graphs.capture_plan import (StepGraphKey, describe_plan, key_uses,
-                                                         step_keys, warmup_visit_plan)
+from track_1_short.perf.cuda_graphs.capture_plan import (StepGraphKey, cadence_span, describe_plan,
+                                                         key_uses, step_keys, warmup_visit_plan)
 from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig
 
 SPEEDRUN = Schedule(ScheduleConfig())
@@ -42,10 +42,13 @@ def _check_plan(schedule: Schedule):
     assert visits == sorted(set(visits)) and all(0 <= s < schedule.num_steps for s in visits)
     for use in key_uses(keys, visits):
         assert len(use.visits) >= 2, use
-    cfg = schedule.cfg
-    assert {s % cfg.adam_every for s in visits} == set(range(cfg.adam_every))
-    # every held-gradient ring slot (the gradients already held when step s's arrives)
-    assert {s % cfg.ngram_cycle for s in visits} == set(range(cfg.ngram_cycle))
+    # the first visits run a whole Adam window (opened, added to, updated) and a whole n-gram
+    # cycle from an empty ring to its event (every held-gradient ring slot), by the plan
+    plans = [schedule.plan(s) for s in range(schedule.num_steps)]
+    first_adam = next(p.step for p in plans if p.adam_step)
+    first_event = next(p.step for p in plans if p.ngram_event)
+    assert set(range(max(first_adam, first_event) + 1)) <= set(visits)
+    assert plans[0].adam_first and not any(p.adam_first for p in plans[1:first_adam + 1])
     for transition in schedule.transitions():
         assert {transition.step - 1, transition.step} <= set(visits)
     return keys, visits
@@ -54,6 +57,9 @@ def _check_plan(schedule: Schedule):
 def test_plan_covers_cadences_and_transitions():
     _check_plan(SPEEDRUN)
     _check_plan(Schedule(ScheduleConfig(adam_every=3, ngram_cycle=4)))
+    assert cadence_span(SPEEDRUN) == 2
+    assert cadence_span(Schedule(ScheduleConfig(adam_every=3, ngram_cycle=4))) == 4
+    assert cadence_span(Schedule(ScheduleConfig(adam_every=5, ngram_cycle=1))) == 5
 
 
 def test_short_stage_still_visited_twice():

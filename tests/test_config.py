@@ -49,3 +49,21 @@ def test_cli_overrides_reach_the_tree():
     assert cfg.model.fp8.enabled is False and cfg.train.max_steps == 7
     assert cfg.data.seed == 3 and cfg.schedule.val_every_steps == 5
     assert [s.tokens_per_rank for s in cfg.schedule.stages] == [16384, 32768, 49152, 49152]
+
+
+def test_one_cadence_source():
+    """The Adam and n-gram cadences live once, in ScheduleConfig: --save-every is checked against
+    the schedule's period, and the AdamW baseline (an update every step) gets adam_every 1."""
+    from track_1_short.schedule import ScheduleConfig
+    cfg = config_mod.preset("cpu-tiny")
+    assert cfg.checkpoint_period == 2
+    odd = dataclasses.replace(cfg.schedule, adam_every=3)
+    assert dataclasses.replace(cfg, schedule=odd).checkpoint_period == 6
+    with pytest.raises(ValueError, match="--save-every 4: .* every 6 steps.*--save-every 6"):
+        dataclasses.replace(cfg, schedule=odd, train=dataclasses.replace(cfg.train, save_every=4))
+    adamw = config_mod.parse(["--optimizer", "adamw"])
+    assert adamw.schedule.adam_every == 1 and adamw.checkpoint_period == 2
+    with pytest.raises(ValueError, match="ScheduleConfig.adam_every must be 1"):
+        dataclasses.replace(cfg, schedule=ScheduleConfig(stages=cfg.schedule.stages),
+                            train=dataclasses.replace(cfg.train, optimizer="adamw"))
+    assert not hasattr(cfg.optim, "adam_every") and not hasattr(cfg.model.ngram, "cycle")

@@ -30,7 +30,7 @@ _STORES: "weakref.WeakKeyDictionary[GPT, NgramStore]" = weakref.WeakKeyDictionar
 def _store(model: GPT) -> NgramStore:
     """The model's n-gram table (as the trainer builds one beside each model)."""
     if model not in _STORES:
-        _STORES[model] = NgramStore(model.ngram_table)
+        _STORES[model] = NgramStore(model.ngram_table, cycle=1, micro_steps=1)  # rows only
     return _STORES[model]
 
 

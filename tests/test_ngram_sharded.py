@@ -35,20 +35,22 @@ from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfg
 from track_1_short.model.value_embed import ValueEmbedPull
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.row_prefetch import LookaheadLoader, RowPrefetch
+from track_1_short.schedule import Schedule, ScheduleConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SLICES, T, DIM, STEPS, CYCLE, VE_VOCAB = 8, 16, 8, 6, 2, 26
+SCHEDULE = Schedule(ScheduleConfig(ngram_cycle=CYCLE))  # the cadences: plan(step)
 
 
-def _cfg(micro_steps: int = 1, **kw) -> NgramConfig:
-    base = dict(dim=DIM, bigram_rows=100, trigram_rows=92, cache_rows=2 * T, cycle=CYCLE,
-                micro_steps=micro_steps, dtype=torch.float64, lr=0.05)
+def _cfg(**kw) -> NgramConfig:
+    base = dict(dim=DIM, bigram_rows=100, trigram_rows=92, cache_rows=2 * T, dtype=torch.float64,
+                lr=0.05)
     base.update(kw)
     return NgramConfig(**base)
 
 
-def _store(cfg: NgramConfig) -> NgramStore:
-    return NgramStore(NgramLookup(cfg))
+def _store(cfg: NgramConfig, micro_steps: int = 1) -> NgramStore:
+    return NgramStore(NgramLookup(cfg), cycle=CYCLE, micro_steps=micro_steps)
 
 
 def _slice_tokens(step: int, slice_index: int) -> torch.Tensor:
@@ -98,7 +100,7 @@ def train(rank: int, world_size: int, group=None) -> dict:
     """STEPS steps of 8/W micro-steps with row prefetch, ring-held gradients, events, then a reset."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
-    table = _store(_cfg(micro_steps))
+    table = _store(_cfg(), micro_steps)
     lookup = table.lookup
     table.table.copy_(torch.randn(table.table.shape, generator=g, dtype=torch.float64))
     table.shard(rank, world_size, group)
@@ -106,7 +108,7 @@ def train(rank: int, world_size: int, group=None) -> dict:
     model = _Model()
     opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig())
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
-    ring = [torch.zeros(2 * T, DIM, dtype=torch.float64) for _ in range(CYCLE * micro_steps)]
+    ring = [torch.zeros(2 * T, DIM, dtype=torch.float64) for _ in range(table.max_held)]
     prefetch, loader = RowPrefetch(table), LookaheadLoader(_Loader(rank, micro_steps))
     out = {"loss": {}, "grad": {}, "ptrs": []}
 
@@ -115,7 +117,8 @@ def train(rank: int, world_size: int, group=None) -> dict:
                                        lookup.grad_sink(T), model.value_embeds.grad_accum, *ring)]
 
     for step in range(STEPS):
-        event = (step + 1) % CYCLE == 0  # the schedule's ngram_event for this cycle
+        plan = SCHEDULE.plan(step)
+        event = plan.ngram_event
         for micro in range(micro_steps):
             batch = loader.next_batch()
             inputs, index = batch.inputs, batch.index
@@ -129,7 +132,7 @@ def train(rank: int, world_size: int, group=None) -> dict:
             if not (event and micro == micro_steps - 1):
                 grad = ring[table.num_pending].copy_(grad)  # as StepGraphs.hold_ngram_grad
             table.hold(grad, ids)
-        opt.step(step, lr_scale=1.0 - 0.1 * step)
+        opt.step(step, 1.0 - 0.1 * step, plan.momentum, plan.adam_step)
         if event:
             table.update_event(step, lr_scale=1.0 - 0.1 * step)
         out["ptrs"].append(ptrs())

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.mp_utils import free_port, set_rank_env
-from tests.test_ngram_sharded import CYCLE, DIM, SLICES, STEPS, T, _cfg, _Loader
+from tests.test_ngram_sharded import CYCLE, DIM, SCHEDULE, SLICES, STEPS, T, _cfg, _Loader
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.perf.ngram_store import NgramStore
@@ -38,7 +38,7 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
     """The n-gram part of test_ngram_sharded.train on `device` (float64)."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
-    table = NgramStore(NgramLookup(_cfg(micro_steps)).to(device))
+    table = NgramStore(NgramLookup(_cfg()).to(device), cycle=CYCLE, micro_steps=micro_steps)
     lookup = table.lookup
     table.table.copy_(torch.randn(table.table.shape, generator=g, dtype=torch.float64))
     table.shard(rank, world_size, group)
@@ -59,7 +59,7 @@ def train_ngram(rank: int, world_size: int, device: torch.device, group=None) ->
             out["loss"][(step, batch.index)] = loss.item()
             out["grad"][(step, batch.index)] = (grad * micro_steps).cpu()
             table.hold(grad.clone(), ids)
-        if (step + 1) % CYCLE == 0:  # the schedule's ngram_event for this cycle
+        if SCHEDULE.plan(step).ngram_event:
             table.update_event(step, lr_scale=1.0 - 0.1 * step)
     out["table"] = table.table.cpu()
     return out

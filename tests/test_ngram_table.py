@@ -9,23 +9,23 @@ Hardware: CPU only, < 10 s. Run: `.venv/bin/python -m pytest tests/test_ngram_ta
 import pytest
 import torch
 
-from track_1_short.constants import BOS_ID, MAX_CYCLE_STEPS
+from track_1_short.constants import BOS_ID
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import SIGN_ROWS, NgramLookup
 from track_1_short.perf.ngram_store import NgramStore
+from track_1_short.schedule import Schedule, ScheduleConfig
 
 VOCAB = 50304
 
 
 def _cfg(**kw):
-    base = dict(dim=8, bigram_rows=97, trigram_rows=89, cache_rows=64, cycle=2, dtype=torch.float64,
-                lr=0.01)
+    base = dict(dim=8, bigram_rows=97, trigram_rows=89, cache_rows=64, dtype=torch.float64, lr=0.01)
     base.update(kw)
     return NgramConfig(**base)
 
 
-def _store(cfg: NgramConfig) -> NgramStore:
-    return NgramStore(NgramLookup(cfg))
+def _store(cfg: NgramConfig, cycle: int = 2) -> NgramStore:
+    return NgramStore(NgramLookup(cfg), cycle=cycle, micro_steps=1)
 
 
 def _tokens(t, seed=0):
@@ -74,8 +74,8 @@ def test_gather_and_sink_grad_equal_dense_embedding():
 
 def test_update_events_match_sparse_adam_and_addresses_stay():
     torch.manual_seed(0)
-    cfg = _cfg(cycle=2)
-    table = _store(cfg)
+    cfg, schedule = _cfg(), Schedule(ScheduleConfig(ngram_cycle=2))
+    table = _store(cfg, cycle=schedule.cfg.ngram_cycle)
     lookup = table.lookup
     init = torch.randn_like(table.table)
     table.table.copy_(init)
@@ -94,7 +94,7 @@ def test_update_events_match_sparse_adam_and_addresses_stay():
         table.hold(grad, ids)
         (ref(ids) * grad).sum().backward()  # dense reference accumulates the same rows
         touched[ids] = True
-        if (step + 1) % cfg.cycle == 0:  # the schedule's ngram_event for this cycle
+        if schedule.plan(step).ngram_event:
             before = table.table.clone()
             table.update_event(step)
             opt.step()
@@ -112,7 +112,8 @@ def test_update_events_match_sparse_adam_and_addresses_stay():
 
 
 def test_hold_beyond_cycle_is_caught():
-    table = _store(_cfg(cycle=1))
+    table = _store(_cfg(), cycle=1)
+    assert table.max_held == 1
     x = _tokens(8)
     table.hold(torch.zeros(16, 8, dtype=torch.float64), table.lookup.row_ids(x))
     with pytest.raises(RuntimeError, match="update event was missed"):
@@ -125,8 +126,10 @@ def test_bad_inputs_raise():
         table.lookup.row_ids(torch.tensor([1, 60000], dtype=torch.int32))
     with pytest.raises(ValueError, match="cache_rows=64"):
         table.slots_for(_tokens(40))
-    with pytest.raises(ValueError, match="cycle"):
-        NgramConfig(cycle=MAX_CYCLE_STEPS + 1)
+    with pytest.raises(ValueError, match="ngram_cycle"):
+        NgramStore(table.lookup, cycle=0, micro_steps=1)
+    with pytest.raises(ValueError, match="micro_steps"):
+        NgramStore(table.lookup, cycle=2, micro_steps=0)
 
 
 def test_state_dict_roundtrip():

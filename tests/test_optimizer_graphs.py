@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.test_anvil_fused import _opt
-from tests.test_anvil_math import Tiny
+from tests.test_anvil_math import SPEEDRUN, Tiny
 from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.perf.cuda_graphs.baked_addresses import CensusError, compare, take_census
 from track_1_short.perf.cuda_graphs.capture_plan import warmup_visit_plan
@@ -33,12 +33,13 @@ from track_1_short.schedule import Schedule, ScheduleConfig
 
 ANVIL, TIED, UNTIED = Cadence(False, False), Cadence(True, True), Cadence(True, False)
 UNTIE_AFTER = 3
+PLANS = [SPEEDRUN.plan(step) for step in range(64)]  # the cadences: Adam on odd steps
 
 
 class Producer:
     """Stands in for the step runner's gradient handoff: seeded random gradients every step.
     persistent: one buffer per parameter, copied into on the first step of its accumulation cycle
-    and added into while the optimizer keeps .grad (GradHandoff with grad_accum_steps > 1); else
+    and added into while the optimizer keeps .grad (GradHandoff with micro_steps > 1); else
     fresh tensors (eager autograd). value_embeds' gradient goes to the optimizer's grad buffer."""
 
     def __init__(self, model, opt, seed: int, persistent: bool):
@@ -71,11 +72,16 @@ def _momentum(step):
     return 0.85 + 0.01 * step
 
 
+def step_once(opt, step, lr=None):
+    """train_step's optimizer call: lr and momentum change every step, Adam on the plan's steps."""
+    opt.step(step, _lr(step) if lr is None else lr, _momentum(step), PLANS[step].adam_step)
+
+
 def run(opt, producer, steps, seal_after=None):
-    """train_step's optimizer calls: lr and momentum change every step; untie after UNTIE_AFTER."""
+    """train_step's optimizer calls (step_once); untie after UNTIE_AFTER."""
     for step in steps:
         producer()
-        opt.step(step, _lr(step), _momentum(step))
+        step_once(opt, step)
         if step == UNTIE_AFTER and opt.tied:
             opt.untie_embed_head()
         if step == seal_after:
@@ -95,7 +101,7 @@ def make(grad_inputs="stage", compile=False, dtype=torch.float32, backend=None, 
 @pytest.mark.parametrize("grad_inputs", ["stage", "adopt"])
 def test_replay_matches_eager_over_both_cadences_and_the_untie(grad_inputs, compile):
     torch._dynamo.reset()
-    model, graphs, producer = make(grad_inputs, compile, num_steps=10, untie_step=UNTIE_AFTER)
+    model, graphs, producer = make(grad_inputs, compile, plans=PLANS[:10], untie_step=UNTIE_AFTER)
     twin = Tiny()
     eager = _opt(twin, **(dict(compile=True, compile_backend="aot_eager") if compile else {}))
     run(eager, Producer(twin, eager, seed=40, persistent=False), range(10))
@@ -174,7 +180,7 @@ def test_capture_error_names_the_cadence():
     producer()
     with pytest.raises(CaptureError, match=r"capture of the step of optimizer graph anvil failed: a "
                                            r"host sync .* inside the captured callable"):
-        graphs.step(0, 1.0)
+        step_once(graphs, 0, lr=1.0)
 
 
 def test_adopt_guard_names_a_moved_gradient_and_a_moved_grad_buffer():
@@ -184,7 +190,7 @@ def test_adopt_guard_names_a_moved_gradient_and_a_moved_grad_buffer():
     model.qk_bank.grad = model.qk_bank.grad.clone()  # a new buffer: the graph would read the old one
     with pytest.raises(OptimizerGraphError, match=r"step 4: optimizer graph anvil: p\.grad of qk_bank "
                                                   r"is at 0x[0-9a-f]+, the graph reads 0x"):
-        graphs.step(4, 1.0)
+        step_once(graphs, 4, lr=1.0)
     model, graphs, producer = make("stage")
     run(graphs, producer, range(3))  # adam_tied captured at step 1
     ve = model.value_embeds.weight
@@ -192,7 +198,7 @@ def test_adopt_guard_names_a_moved_gradient_and_a_moved_grad_buffer():
     producer()
     with pytest.raises(OptimizerGraphError, match=r"step 3: optimizer graph adam_tied: the gradient "
                                                   r"buffer of value_embeds\.weight moved"):
-        graphs.step(3, 1.0)
+        step_once(graphs, 3, lr=1.0)
 
 
 def test_stage_copies_this_steps_gradients_and_names_a_missing_one():
@@ -203,12 +209,12 @@ def test_stage_copies_this_steps_gradients_and_names_a_missing_one():
     producer()
     assert model.qk_bank.grad is not staged  # a fresh tensor every step
     expected = model.qk_bank.grad.clone()
-    graphs.step(3, 1.0)
+    step_once(graphs, 3, lr=1.0)
     assert torch.equal(staged, expected)
     producer()
     model.mlp_bank.grad = None
     with pytest.raises(OptimizerGraphError, match=r"step 4: mlp_bank has no gradient .* anvil step"):
-        graphs.step(4, 1.0)
+        step_once(graphs, 4, lr=1.0)
 
 
 def test_seal_demands_checked_captures_of_every_cadence():
@@ -216,17 +222,17 @@ def test_seal_demands_checked_captures_of_every_cadence():
     run(graphs, producer, range(3))
     with pytest.raises(OptimizerGraphError, match=r"never self-checked: \['adam_tied'\]"):
         graphs.seal()
-    model, graphs, producer = make(num_steps=10, untie_step=UNTIE_AFTER)
+    model, graphs, producer = make(plans=PLANS[:10], untie_step=UNTIE_AFTER)
     run(graphs, producer, range(4))
     with pytest.raises(OptimizerGraphError, match=r"never captured for cadences \['adam_untied'\] "
                                                   r"\(first steps \[5\]\)"):
         graphs.seal()
-    model, graphs, producer = make()  # without num_steps: only the cadences seen
+    model, graphs, producer = make()  # without plans: only the cadences seen
     run(graphs, producer, range(5), seal_after=3)
     producer()
     with pytest.raises(OptimizerGraphError, match=r"step 5: no optimizer graph for cadence "
                                                   r"adam_untied after seal\(\)"):
-        graphs.step(5, 1.0)
+        step_once(graphs, 5, lr=1.0)
 
 
 class _NoRunner:
@@ -287,9 +293,9 @@ def _copy_state(sd: dict) -> dict:
 
 
 def test_reset_and_load_state_dict_through_the_wrapper_keep_the_graphs():
-    model, graphs, producer = make(num_steps=10, untie_step=UNTIE_AFTER)
+    model, graphs, producer = make(plans=PLANS[:10], untie_step=UNTIE_AFTER)
     opt = graphs.optimizer
-    assert graphs.adam_every == 2 and graphs.param_cfgs is opt.param_cfgs and graphs.tied is opt.tied
+    assert graphs.param_cfgs is opt.param_cfgs and graphs.tied is opt.tied
     twin = Tiny()
     eager = _opt(twin)
     run(eager, Producer(twin, eager, seed=40, persistent=False), range(10))
@@ -311,7 +317,7 @@ def test_factory_modes():
     off = make_optimizer_graphs(opt, OptimizerGraphsConfig(mode="off"))
     assert isinstance(off, EagerOptimizer) and off.capture_report() == [] and off.optimizer is opt
     on = make_optimizer_graphs(opt, OptimizerGraphsConfig(), backend=RecordingGraphBackend(),
-                               num_steps=4, untie_step=None)
+                               plans=PLANS[:4], untie_step=None)
     assert isinstance(on, OptimizerGraphs) and on.step_cadences == [ANVIL, TIED, ANVIL, TIED]
     with pytest.raises(ValueError, match="need CUDA parameters"):
         make_optimizer_graphs(opt, OptimizerGraphsConfig())
@@ -324,7 +330,7 @@ def test_factory_modes():
     adamw = AdamWBaseline(model.named_parameters(), lr=1e-3)
     with pytest.warns(UserWarning, match="AdamWBaseline has no capture-ready run_step"):
         baseline = make_optimizer_graphs(adamw, OptimizerGraphsConfig())
-    assert baseline.adam_every == 1 and baseline.tied is None
+    assert baseline.tied is None
 
 
 def test_eager_wrapper_is_the_optimizers_step():
@@ -349,19 +355,20 @@ def test_config_validation():
 
 def test_cover_cadences_adds_the_missing_visits():
     opt = _opt(Tiny())
-    cadences = step_cadences(opt, 20, untie_step=11)
+    cadences = step_cadences(opt, PLANS[:20], untie_step=11)
     assert cadences[11] == TIED and cadences[13] == UNTIED and cadences[12] == ANVIL
     assert cover_cadences([0, 1, 2, 3, 10, 11], cadences, 11) == [0, 1, 2, 3, 10, 11, 13, 15]
-    short = step_cadences(opt, 14, untie_step=11)
+    short = step_cadences(opt, PLANS[:14], untie_step=11)
     assert cover_cadences([0, 1, 2, 3, 11], short, 11) == [0, 1, 2, 3, 11, 13, 13]  # visited twice
     with pytest.raises(ValueError, match="served only by the untie step 1"):
-        cover_cadences([0, 1, 2], step_cadences(opt, 3, untie_step=1), 1)
+        cover_cadences([0, 1, 2], step_cadences(opt, PLANS[:3], untie_step=1), 1)
 
 
 def test_speedrun_warmup_plan_already_covers_every_cadence():
     speedrun = Schedule(ScheduleConfig())
     untie = speedrun.stage_starts[2] | 1  # trainer/build.untie_step
-    cadences = step_cadences(_opt(Tiny()), speedrun.num_steps, untie)
+    cadences = step_cadences(_opt(Tiny()), [speedrun.plan(s) for s in range(speedrun.num_steps)],
+                             untie)
     visits = warmup_visit_plan(speedrun)
     assert cover_cadences(visits, cadences, untie) == visits
     assert sorted({str(cadences[v]) for v in visits}) == ["adam_tied", "adam_untied", "anvil"]

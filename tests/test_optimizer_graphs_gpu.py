@@ -22,7 +22,7 @@ import torch
 
 from tests.test_anvil_fused import _opt
 from tests.test_anvil_math import Tiny
-from tests.test_optimizer_graphs import UNTIE_AFTER, Producer, _lr, _momentum, run
+from tests.test_optimizer_graphs import PLANS, UNTIE_AFTER, Producer, run, step_once
 from track_1_short.optim.step_values import RING_SLOTS
 from track_1_short.perf.cuda_graphs.capture_support import CaptureError
 from track_1_short.perf.cuda_graphs.optimizer_graphs import (
@@ -47,7 +47,7 @@ def fp32_matmuls():
 def _graphs(model, grad_inputs="stage", **anvil):
     opt = _opt(model, **anvil)  # compile=None: inductor on CUDA parameters
     graphs = make_optimizer_graphs(opt, OptimizerGraphsConfig(grad_inputs=grad_inputs),
-                                   num_steps=16, untie_step=UNTIE_AFTER)
+                                   plans=PLANS[:16], untie_step=UNTIE_AFTER)
     assert isinstance(graphs, OptimizerGraphs) and opt.compiled
     return opt, graphs
 
@@ -92,7 +92,7 @@ def test_replay_has_no_host_sync():
         producer()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphs.step(step, _lr(step), _momentum(step))  # any synchronising call raises
+            step_once(graphs, step)  # any synchronising call raises
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -108,8 +108,8 @@ def test_self_check_catches_a_value_baked_into_the_graph():
     opt, graphs = _graphs(model)
     run_step, opt.fault = opt.run_step, 0.0
 
-    def faulty_run_step(step, adam_due):
-        run_step(step, adam_due)
+    def faulty_run_step(step, adam_step):
+        run_step(step, adam_step)
         # a Python float reaches the kernel as a launch argument: the capture bakes 0.0
         opt.banks[0].momentum.add_(opt.fault)
 
@@ -125,8 +125,8 @@ def test_self_check_catches_a_value_baked_into_the_graph():
 def _item_in_run_step(opt):
     run_step = opt.run_step
 
-    def syncing_run_step(step, adam_due):
-        run_step(step, adam_due)
+    def syncing_run_step(step, adam_step):
+        run_step(step, adam_step)
         opt.step_values.values[0].item()  # a host sync
 
     opt.run_step = syncing_run_step
@@ -142,8 +142,8 @@ def test_host_sync_in_run_step_is_named(sync_debug_warmup):
     Producer(model, opt, seed=53, persistent=False)()
     if sync_debug_warmup:
         with pytest.raises(RuntimeError, match="synchronizing"):
-            graphs.step(0, 1.0)
+            step_once(graphs, 0, lr=1.0)
     else:
         with pytest.raises(CaptureError, match=r"capture of the step of optimizer graph anvil failed"):
-            graphs.step(0, 1.0)
+            step_once(graphs, 0, lr=1.0)
     torch.cuda.set_sync_debug_mode("default")

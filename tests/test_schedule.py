@@ -34,7 +34,7 @@ def test_lr(speedrun, step, lr):
 
 
 @pytest.mark.parametrize("step, momentum", [(0, 0.85), (150, 0.90), (300, 0.95), (800, 0.95),
-                                            (1235, 0.95), (1260, 0.90), (1284, 0.852)])
+                                            (1235, 0.95), (1260, 0.90), (1284, 0.95 - 0.1 * 49 / 50)])
 def test_momentum(speedrun, step, momentum):
     assert speedrun.plan(step).momentum == pytest.approx(momentum)
 
@@ -65,9 +65,29 @@ def test_windows_and_transitions(speedrun):
 
 
 def test_cadences(speedrun):
-    assert [speedrun.plan(s).ngram_event for s in range(4)] == [False, True, False, True]
-    assert speedrun.plan(1284).ngram_event  # the last step flushes held n-gram gradients
+    plans = [speedrun.plan(s) for s in range(4)]
+    assert [p.ngram_event for p in plans] == [False, True, False, True]
+    assert [p.adam_step for p in plans] == [False, True, False, True]  # Adam on odd steps
+    assert [p.adam_first for p in plans] == [True, False, True, False]
+    assert [p.nothing_held for p in plans] == [False, True, False, True]
+    last = speedrun.plan(1284)
+    assert last.ngram_event  # the last step flushes held n-gram gradients
+    assert not last.adam_step and not last.nothing_held  # an even step: Adam's window stays open
+    assert speedrun.checkpoint_period == 2
     assert [s for s in range(1285) if speedrun.plan(s).validate] == [0, 250, 500, 750, 1000, 1250]
+
+
+def test_cadences_follow_the_config():
+    schedule = Schedule(ScheduleConfig(adam_every=3, ngram_cycle=4))
+    plans = [schedule.plan(s) for s in range(schedule.num_steps)]
+    assert [p.step for p in plans if p.adam_step][:3] == [2, 5, 8]
+    assert [p.step for p in plans if p.adam_first][:3] == [0, 3, 6]
+    assert [p.step for p in plans if p.ngram_event][:3] == [3, 7, 11]
+    assert schedule.checkpoint_period == 12
+    # nothing is held after step s exactly where (s + 1) is a multiple of the period, or at the
+    # end when the forced last event falls on an Adam step (1284 is none: 1284 % 3 == 0)
+    assert [p.step for p in plans if p.nothing_held] == \
+        [s for s in range(schedule.num_steps) if (s + 1) % 12 == 0]
 
 
 def _stage(**overrides) -> StageConfig:
@@ -93,6 +113,9 @@ def test_bad_stage(overrides, field):
     ({"ngram_cycle": 0}, "ngram_cycle"),
     ({"cooldown_frac": 1.5}, "cooldown_frac"),
     ({"adam_every": 0}, "adam_every"),
+    ({"momentum_min": 0.99}, "momentum_min"),
+    ({"momentum_max": 1.0}, "momentum_max"),
+    ({"momentum_warmup_steps": -1}, "momentum_warmup_steps"),
     ({"final_val_ws_long": 2500}, "final_val_ws_long"),
     ({"stages": ()}, "stages"),
     ({"stages": (SPEEDRUN_STAGES[3], SPEEDRUN_STAGES[0])}, "extension"),

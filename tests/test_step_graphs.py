@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from track_1_short.constants import MAX_CYCLE_STEPS
 from track_1_short.data import Batch
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.capture_support import (
@@ -190,6 +191,7 @@ TINY = Schedule(ScheduleConfig(stages=(
     _stage("D", 3, 32, 6, (768, 1664), (1.0,), (1.0,), extension=True),
 )))
 MAX_TOKENS = 32
+TINY_PLANS = [TINY.plan(step) for step in range(TINY.num_steps)]
 
 
 def make_batch(plan: StepPlan, seed: int, tokens: int | None = None) -> tuple[Batch, Tensor]:
@@ -210,7 +212,7 @@ def make_cfg(plan: StepPlan) -> FakeForwardConfig:
 
 
 class Harness:
-    def __init__(self, model_cls=FakeGPT, graphs=True, grad_accum_steps=1, **config):
+    def __init__(self, model_cls=FakeGPT, graphs=True, micro_steps=1, **config):
         torch.manual_seed(0)
         self.model = model_cls()
         self.value_embeds = FakeValueEmbeds()
@@ -220,8 +222,8 @@ class Harness:
         self.runner = make_step_runner(
             config, model=self.model, optimizer=FakeOptimizer(self.model), step_keys=self.keys,
             ngram_table=self.model.ngram, value_embeds=self.value_embeds,
-            max_step_tokens=MAX_TOKENS, adam_every=TINY.cfg.adam_every,
-            grad_accum_steps=grad_accum_steps,
+            max_step_tokens=MAX_TOKENS, plans=TINY_PLANS, micro_steps=micro_steps,
+            ngram_ring_slots=MAX_CYCLE_STEPS,  # the largest ring a schedule may need
             backend=(BakingBackend(self.model) if hasattr(model_cls, "in_graph")
                      else RecordingGraphBackend()))
 
@@ -232,7 +234,7 @@ class Harness:
         loss = self.runner.forward(step, batch, slots, make_cfg(plan), micro_step=micro_step)
         value = loss.item()  # the graph's loss is overwritten by the next replay: read it now
         ngram_grad = self.runner.backward()
-        pending = step % TINY.cfg.ngram_cycle  # gradients already held in this n-gram cycle
+        pending = TINY.ngram_steps_held(step)  # gradients already held in this n-gram cycle
         held = self.runner.hold_ngram_grad(ngram_grad, pending, plan.ngram_event)
         return value, held
 
@@ -306,12 +308,12 @@ def test_adam_copy_then_add_with_stable_accumulator():
 
 
 def test_micro_steps_accumulate_anvil_grads():
-    h = Harness(grad_accum_steps=2)
+    h = Harness(micro_steps=2)
     h.step(0, micro_step=0)
     g0 = h.model.bank_qk.grad.clone()
     h.step(0, micro_step=1)
     assert not any(h.model.bank_qk.grad is g for _, g in h.runner.captured[h.keys[0]].grads)
-    # each micro-step's loss is scaled by 1 / grad_accum_steps (training_loss's grad_scale)
+    # each micro-step's loss is scaled by 1 / micro_steps (training_loss's grad_scale)
     torch.testing.assert_close(g0, 0.5 * reference_grads(h.model, 0, seed=0)["bank_qk"])
     torch.testing.assert_close(h.model.bank_qk.grad,
                                g0 + 0.5 * reference_grads(h.model, 0, seed=1)["bank_qk"])
@@ -464,7 +466,7 @@ def test_eager_twin_matches_graphs():
                 torch.testing.assert_close(pg.grad, pe.grad, msg=name)
     torch.testing.assert_close(graphs.value_embeds.grad_accum, eager.value_embeds.grad_accum)
     bounded = EagerStep(eager.model, FakeOptimizer(eager.model), eager.keys, eager.model.ngram,
-                        eager.value_embeds, adam_every=2, ngram_ring_slots=3)
+                        eager.value_embeds, plans=TINY_PLANS, micro_steps=1, ngram_ring_slots=3)
     with pytest.raises(StepGraphError, match="3 n-gram gradients already held"):
         bounded.hold_ngram_grad(held_e, 3, False)
 
@@ -534,12 +536,13 @@ def test_real_tiny_gpt_contract_on_cpu():
                                     cache_rows=256, bos_id=V - 1)))
         model.resolve_attention_backend(torch.device("cpu"))
         optimizer = SimpleNamespace(param_cfgs=build_param_cfgs(model.named_parameters()))
-        store = NgramStore(model.ngram_table)
+        store = NgramStore(model.ngram_table, cycle=schedule.cfg.ngram_cycle, micro_steps=1)
         runner = make_step_runner(
             StepGraphsConfig(mode="on" if graphs else "off", warm_iterations=1), model=model,
             optimizer=optimizer, step_keys=keys, ngram_table=model.ngram_table,
-            value_embeds=model.value_embeds, max_step_tokens=128, adam_every=2,
-            backend=RecordingGraphBackend())
+            value_embeds=model.value_embeds, max_step_tokens=128,
+            plans=[schedule.plan(s) for s in range(schedule.num_steps)], micro_steps=1,
+            ngram_ring_slots=store.max_held, backend=RecordingGraphBackend())
         for step in (0, 1):
             plan = schedule.plan(step)
             batch, _ = make_batch(plan, step)
@@ -549,7 +552,7 @@ def test_real_tiny_gpt_contract_on_cpu():
                 ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
             loss = runner.forward(step, batch, store.slots_for(batch.inputs), cfg)
             losses.setdefault(step, []).append(loss.item())
-            runner.hold_ngram_grad(runner.backward(), step % schedule.cfg.ngram_cycle,
+            runner.hold_ngram_grad(runner.backward(), schedule.ngram_steps_held(step),
                                    plan.ngram_event)
         runner.seal()
         losses.setdefault("qk_grad", []).append(model.qk_bank.grad.clone())

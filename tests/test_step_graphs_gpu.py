@@ -55,6 +55,9 @@ SCHEDULE = Schedule(ScheduleConfig(stages=(
     _stage("C", 4, 1024, 32, (256, 512), 512, ((1.0,), (1.0,))),
     _stage("D", 2, 1024, 32, (256, 640), 512, ((1.0,), (1.0,)), extension=True),
 )))
+PLANS = [SCHEDULE.plan(step) for step in range(SCHEDULE.num_steps)]
+# the runner's cadences: the plans, one micro-step per step, the n-gram ring of one cycle
+CADENCE = dict(plans=PLANS, micro_steps=1, ngram_ring_slots=SCHEDULE.cfg.ngram_cycle)
 
 
 class _Optimizer:
@@ -125,8 +128,8 @@ def _build(device, wrap=None):
     forward_model = wrap(compiled) if wrap else compiled
     runner = StepGraphs(forward_model, _Optimizer(model), step_keys(SCHEDULE), model.ngram_table,
                         model.value_embeds, max(k.tokens for k in step_keys(SCHEDULE)),
-                        adam_every=SCHEDULE.cfg.adam_every, config=StepGraphsConfig(),
-                        backend=CudaGraphBackend(), device=device)
+                        **CADENCE, config=StepGraphsConfig(), backend=CudaGraphBackend(),
+                        device=device)
     return model, forward_model, runner
 
 
@@ -140,7 +143,7 @@ def _advance_yarn(model, step: int, prev_stage: int) -> int:
 
 def _slots(model, inputs):
     """ngram_slots of `inputs` (the row cache filled from a zero table, as at init)."""
-    return NgramStore(model.ngram_table).slots_for(inputs)
+    return NgramStore(model.ngram_table, cycle=1, micro_steps=1).slots_for(inputs)
 
 
 def _run_step(model, runner, step: int, device):
@@ -150,7 +153,7 @@ def _run_step(model, runner, step: int, device):
     loss = runner.forward(step, batch, slots, cfg).item()
     ngram_grad = runner.backward()
     plan = SCHEDULE.plan(step)
-    runner.hold_ngram_grad(ngram_grad, step % SCHEDULE.cfg.ngram_cycle, plan.ngram_event)
+    runner.hold_ngram_grad(ngram_grad, SCHEDULE.ngram_steps_held(step), plan.ngram_event)
     return batch, slots, cfg, loss
 
 
@@ -281,8 +284,8 @@ def test_varlen_attention_self_check_agrees_with_ground_truth():
     assert model.resolve_attention_backend(device) == "varlen"
     runner = StepGraphs(model, _Optimizer(model), step_keys(SCHEDULE), model.ngram_table,
                         model.value_embeds, max(k.tokens for k in step_keys(SCHEDULE)),
-                        adam_every=SCHEDULE.cfg.adam_every, config=StepGraphsConfig(),
-                        backend=CudaGraphBackend(), device=device)
+                        **CADENCE, config=StepGraphsConfig(), backend=CudaGraphBackend(),
+                        device=device)
     _run_step(model, runner, 0, device)  # capture
     try:
         _run_step(model, runner, 1, device)  # replay + self-check of the same key
@@ -334,7 +337,7 @@ def test_host_sync_in_capture_names_the_key():
     opt = SimpleNamespace(param_cfgs={sync_model.weight: SimpleNamespace(optim="adam")})
     keys = step_keys(SCHEDULE)
     runner = StepGraphs(sync_model, opt, keys, model.ngram_table, model.value_embeds, 1024,
-                        adam_every=2, config=StepGraphsConfig(warm_iterations=1),
+                        **CADENCE, config=StepGraphsConfig(warm_iterations=1),
                         backend=CudaGraphBackend(), device=device)
     batch = _batch(0, device)
     with pytest.raises(CaptureError, match=r"forward of step graph StepGraphKey\(tokens=512"):

@@ -279,7 +279,6 @@ def test_speedrun_schedule_warmup_on_cpu(shard_dir, tmp_path, fresh_dynamo, slic
     before step 1269. The warmup now applies held gradients at every gap of its plan; without
     that, this test fails at every micro-step count (measured: 1, 4 and 8). The small-gpu preset
     and the shorter test schedules never jump after a step without an event."""
-    from track_1_short.optim.anvil_config import AnvilConfig
     from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
     from track_1_short.schedule import SPEEDRUN_STAGES
 
@@ -290,7 +289,6 @@ def test_speedrun_schedule_warmup_on_cpu(shard_dir, tmp_path, fresh_dynamo, slic
         dataclasses.replace(stage, tokens_per_rank=t, max_seq_len=min(t, 256), cu_seqlens_rows=8,
                             ws_short=ws_short, ws_long=ws_long)
         for stage, (t, ws_short, ws_long) in zip(SPEEDRUN_STAGES, small)))
-    cfg.optim = AnvilConfig(num_steps=1285)
     cfg.data = dataclasses.replace(cfg.data, slices_per_step=slices_per_step)
     cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
     assert train(cfg, graph_backend=RecordingGraphBackend()) == 0

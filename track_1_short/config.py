@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.optim.anvil_config import AnvilConfig
 from track_1_short.perf.cuda_graphs.graphs_config import GRAPH_MODES, StepGraphsConfig
-from track_1_short.schedule import SPEEDRUN_STAGES, ScheduleConfig, StageConfig
+from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, StageConfig
 
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
@@ -138,9 +137,9 @@ class RunConfig:
 
     @property
     def checkpoint_period(self) -> int:
-        """Steps between the boundaries where nothing is held across (checkpoint.aligned): after
-        an Adam step and after an n-gram update event."""
-        return math.lcm(self.schedule.adam_every, self.optim.adam_every, self.schedule.ngram_cycle)
+        """Steps between the boundaries where nothing is held across (checkpoint.aligned): the
+        schedule's (an Adam step that is also an n-gram update event, StepPlan.nothing_held)."""
+        return Schedule(self.schedule).checkpoint_period
 
     def __post_init__(self):
         if self.graphs.mode != "off" and not self.train.compile:
@@ -151,6 +150,9 @@ class RunConfig:
             raise ValueError(f"model.max_position={self.model.max_position} must cover 2x the "
                              f"largest step ({largest} tokens, paired heads double positions) and "
                              f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
+        if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
+            raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
+                             f"be 1, got {self.schedule.adam_every} (from_args sets it)")
         period = self.checkpoint_period
         if self.train.save_every % period:
             lower = self.train.save_every // period * period
@@ -189,22 +191,18 @@ def preset(name: str) -> RunConfig:
                          optim=AnvilConfig(), graphs=StepGraphsConfig(), needs_cuda=True)
     if name == "small-gpu":
         stages = _scaled_stages((60, 60, 60, 8))
-        num_steps = sum(s.num_steps for s in stages)
         return RunConfig(preset=name, model=GPTConfig(),
                          schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=40,
                                                  momentum_cooldown_steps=10, val_every_steps=60),
-                         optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=40,
-                                           momentum_cooldown_steps=10),
+                         optim=AnvilConfig(),
                          graphs=StepGraphsConfig(), needs_cuda=True)
     if name == "cpu-tiny":
         stages = _tiny_stages()
-        num_steps = sum(s.num_steps for s in stages)
         return RunConfig(preset=name, model=GPTConfig.tiny(),
                          schedule=ScheduleConfig(stages=stages, momentum_warmup_steps=50,
                                                  momentum_cooldown_steps=20, val_every_steps=50,
                                                  final_val_ws_long=512),
-                         optim=AnvilConfig(num_steps=num_steps, momentum_warmup_steps=50,
-                                           momentum_cooldown_steps=20),
+                         optim=AnvilConfig(),
                          graphs=StepGraphsConfig(mode="off"),
                          data=DataConfig(slices_per_step=1, val_tokens=16_384,
                                          val_tokens_per_batch=2048),
@@ -236,8 +234,8 @@ def _by_preset(read) -> str:
 def _add_run_flags(add) -> None:
     """Checkpoints, resume and run dirs (README: runs, checkpoints and stopping)."""
     add("--save-every", type=_int_at_least(0),
-        help="checkpoint every N steps, a multiple of 2 (the Adam / n-gram cadence); default 0: "
-             "only the final checkpoint")
+        help="checkpoint every N steps, a multiple of the Adam / n-gram cadence "
+             f"({_by_preset(lambda c: c.checkpoint_period)[8:]}); default 0: only the final checkpoint")
     add("--no-save-final", action="store_true", help="skip the final checkpoint")
     add("--resume", type=Path,
         help="continue exactly from a checkpoint folder, or from the newest complete checkpoint "
@@ -348,6 +346,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.train, "compile_cache", args.compile_cache)
     _set(cfg.train, "fused_loss", args.fused_loss)
     _set(cfg.train, "optimizer", args.optimizer)
+    if cfg.train.optimizer == "adamw":  # AdamW updates every step (optim/adamw_baseline.py)
+        cfg.schedule.adam_every = 1
     _set(cfg.train, "seed", args.seed)
     _set(cfg.train, "max_steps", args.max_steps)
     _set(cfg.train, "save_every", args.save_every)

@@ -16,6 +16,20 @@ What must stay stable: nothing here owns memory. The numbers are the contract: s
 [0, 423), [423, 847), [847, 1270), [1270, 1285); lr 1.52 at 508, 0.912 at 846, 1.027 at 847, 0.152 at
 1269, 0.15 in the extension; momentum 0.85 -> 0.95 over steps 0-300, back to 0.85 over the last 50.
 
+The plan is the one source of every cadence of the training step; nothing else derives one
+from the step number. `StepPlan` says, for step s: the ANVIL momentum; `adam_step` (Adam updates
+after s, on the gradients summed since the last Adam step); `adam_first` (s opens such an
+accumulation window: the step handoff copies its first micro-step's gradient into the Adam
+accumulator instead of adding); `ngram_event` (the n-gram table applies its held gradients after
+s); `nothing_held` (after s neither an Adam gradient nor an n-gram gradient is held, so a
+checkpoint taken there is exact). Their consumers, each reading the plan: the optimizer
+(trainer/step.py passes plan.momentum and plan.adam_step to AnvilAndAdam.step), GradHandoff
+(perf/cuda_graphs/grad_handoff.py, built with the plans), the warmup visit plan's cadence span
+(perf/cuda_graphs/capture_plan.py), the n-gram update events (trainer/step.py) and the store's
+held-gradient bound (`ngram_cycle` x the run's micro-steps, perf/ngram_store.py), and checkpoint
+alignment (trainer/checkpoint.aligned; `checkpoint_period` validates --save-every).
+tests/test_cadence.py checks every consumer against the plan over the whole speedrun schedule.
+
 Call order: train.py builds `Schedule(cfg)` once; capture_plan.step_keys() and
 warmup_visit_plan() read it before warmup; every step (warmup and timed) calls `plan(step)` and
 turns the StepPlan into a ForwardScheduleConfig (tensors) and optimizer hyperparameters.
@@ -29,6 +43,7 @@ package's (perf/ngram_store.py), with a forced update event on the last step so 
 left held.
 """
 
+import math
 from dataclasses import dataclass
 
 from track_1_short.constants import BLOCK_TOKENS, MAX_CYCLE_STEPS
@@ -109,7 +124,9 @@ class ScheduleConfig:
     momentum_max: float = 0.95
     momentum_warmup_steps: int = 300  # momentum_min -> momentum_max over steps [0, this]
     momentum_cooldown_steps: int = 50  # momentum_max -> momentum_min over the run's last steps
-    adam_every: int = 2  # Adam steps on steps s with s % adam_every == adam_every - 1 (odd steps)
+    # Adam updates after steps s with s % adam_every == adam_every - 1 (odd steps), on the gradients
+    # of the adam_every steps since the last one (StepPlan.adam_step / adam_first)
+    adam_every: int = 2
     ngram_cycle: int = 2  # n-gram table update event every this many steps (<= MAX_CYCLE_STEPS)
     val_every_steps: int = 250  # validation before steps that are multiples of this, and at the end
     final_val_ws_long: int = 2560  # long window of the final validation (ws_short: last stage's)
@@ -140,6 +157,9 @@ class ScheduleConfig:
         if self.final_val_ws_long <= 0 or self.final_val_ws_long % BLOCK_TOKENS:
             raise ValueError(f"final_val_ws_long={self.final_val_ws_long} must be a positive "
                              f"multiple of {BLOCK_TOKENS}")
+        if not 0 <= self.momentum_min <= self.momentum_max < 1:
+            raise ValueError("momentum_min/momentum_max need 0 <= min <= max < 1, got "
+                             f"{self.momentum_min}, {self.momentum_max}")
         if self.momentum_warmup_steps < 0 or self.momentum_cooldown_steps < 0:
             raise ValueError("momentum_warmup_steps and momentum_cooldown_steps must be >= 0")
 
@@ -159,8 +179,11 @@ class StepPlan:
     mtp_weights: tuple[float, ...]
     prefix_weight: float
     lr_mul: float
-    momentum: float
+    momentum: float  # ANVIL momentum of this step's update
+    adam_step: bool  # Adam updates after this step, on the gradients summed since the last one
+    adam_first: bool  # this step opens an Adam accumulation window (the previous one was adam_step)
     ngram_event: bool  # the n-gram table applies its held gradients after this step
+    nothing_held: bool  # adam_step and ngram_event: after this step a checkpoint is exact
     validate: bool  # a validation pass runs before this step trains (the final one after the last)
 
 
@@ -220,6 +243,10 @@ class Schedule:
         start = self.stage_starts[index]
         t = (step - start) / stage.num_steps
         last = step == self.num_steps - 1
+        every, cycle = self.cfg.adam_every, self.cfg.ngram_cycle
+        adam_step = step % every == every - 1
+        # the last step forces an event, so no n-gram gradient is left held at the end
+        ngram_event = last or step % cycle == cycle - 1
         return StepPlan(
             step=step, stage_index=index, stage=stage.name,
             tokens_per_rank=stage.tokens_per_rank, ws_short=stage.ws_short, ws_long=stage.ws_long,
@@ -228,9 +255,26 @@ class Schedule:
                               zip(stage.mtp_weights_start, stage.mtp_weights_end)),
             prefix_weight=_lerp(stage.prefix_weight_start, stage.prefix_weight_end, t),
             lr_mul=self.lr_mul(step), momentum=self.momentum(step),
-            ngram_event=last or step % self.cfg.ngram_cycle == self.cfg.ngram_cycle - 1,
+            adam_step=adam_step, adam_first=step % every == 0, ngram_event=ngram_event,
+            nothing_held=adam_step and ngram_event,
             validate=step % self.cfg.val_every_steps == 0,
         )
+
+    def ngram_steps_held(self, step: int) -> int:
+        """Steps whose n-gram gradients are held when `step` starts, in a run that trains every
+        step in order: those since the plan's last update event before it (the store then holds
+        this many times the micro-steps; benches and tests that drive a runner without a store)."""
+        held = 0
+        while step - held > 0 and not self.plan(step - held - 1).ngram_event:
+            held += 1
+        return held
+
+    @property
+    def checkpoint_period(self) -> int:
+        """Steps between the boundaries where nothing is held (StepPlan.nothing_held: an Adam step
+        that is also an n-gram event): --save-every must be a multiple of it. The forced event of
+        the last step can add the run's end as one more such boundary."""
+        return math.lcm(self.cfg.adam_every, self.cfg.ngram_cycle)
 
     def transitions(self) -> list[Transition]:
         out = []

@@ -1,17 +1,18 @@
 """NgramConfig: the n-gram embedding's knobs, read by the model-side lookup (model/ngram_lookup.py:
-hashing, row cache, sinks) and by the trainer's store (perf/ngram_store.py: table, update cadence,
-sparse Adam). Torch is imported for the dtype only; no runtime module of the package.
+hashing, row cache, sinks) and by the trainer's store (perf/ngram_store.py: table, sparse Adam).
+Torch is imported for the dtype only; no runtime module of the package.
 
 What must stay stable: nothing here holds tensors; validated when built (the message names the
-field). Nested into GPTConfig.ngram (model/gpt_config.py); the trainer sets `cycle` and
-`micro_steps` from the schedule before building the model.
+field). Nested into GPTConfig.ngram (model/gpt_config.py). The update cadence is not here: the
+events are the schedule's (ScheduleConfig.ngram_cycle, StepPlan.ngram_event), and the store's
+held-gradient bound is built from that cycle and the run's micro-steps (NgramStore's arguments).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from track_1_short.constants import BOS_ID, MAX_CYCLE_STEPS, PADDED_VOCAB
+from track_1_short.constants import BOS_ID, PADDED_VOCAB
 
 NGRAM_DIM = 768  # the speedrun's row width (= model dim)
 
@@ -23,8 +24,6 @@ class NgramConfig:
     bigram_rows: int = 377_280  # HEAD: 50304 * 15 // 2, last row reserved for "no context"
     trigram_rows: int = 377_280  # ours (not in HEAD), last row reserved
     cache_rows: int = 2 * 49_152  # >= 2T of the largest micro-batch
-    cycle: int = 2  # update event every `cycle` steps (sinks held in between)
-    micro_steps: int = 1  # backward passes per step (gradient accumulation): held per cycle x this
     lr: float = 0.6  # HEAD bigram_embed: base 0.008 x lr_mul 75
     beta1: float = 0.75
     beta2: float = 0.95
@@ -34,15 +33,11 @@ class NgramConfig:
     bos_id: int = BOS_ID
 
     def __post_init__(self):
-        if not 1 <= self.cycle <= MAX_CYCLE_STEPS:
-            raise ValueError(f"NgramConfig.cycle={self.cycle} must be in [1, {MAX_CYCLE_STEPS}]")
         for name in ("bigram_rows", "trigram_rows"):
             if getattr(self, name) < 2:
                 raise ValueError(f"NgramConfig.{name}={getattr(self, name)} must be >= 2")
         if self.cache_rows < 2:
             raise ValueError(f"NgramConfig.cache_rows={self.cache_rows} must be >= 2 (2 per token)")
-        if self.micro_steps < 1:
-            raise ValueError(f"NgramConfig.micro_steps={self.micro_steps} must be >= 1")
 
     @property
     def num_rows(self) -> int:

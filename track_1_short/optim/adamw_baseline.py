@@ -2,9 +2,13 @@
 
 What it is for: the baseline the foundation trainer used before AnvilAndAdam landed, kept so the
 two can be compared on the same preset (the optimizer issue asks for both val losses). Every
-parameter is "adam" with adam_every=1 (an update every step); value_embeds' gradient arrives in
-ValueEmbedPull.grad_accum (its autograd function never fills p.grad), so step() points the
-parameter's .grad at that buffer and zeroes it in place after the update.
+parameter is "adam" and updates every step: `--optimizer adamw` sets the schedule's adam_every to 1
+(config.py; RunConfig refuses another value), so every StepPlan has adam_step and adam_first and
+the step handoff copies each step's gradient afresh. step() takes AnvilAndAdam's arguments and
+ignores momentum (AdamW has none) and adam_step (always True under that schedule).
+value_embeds' gradient arrives in ValueEmbedPull.grad_accum (its autograd function never fills
+p.grad), so step() points the parameter's .grad at that buffer and zeroes it in place after the
+update.
 
 Single process only (no sharding or reductions): a baseline for cpu-tiny, not for the speedrun.
 """
@@ -22,7 +26,6 @@ class AdamWBaseline:
                  betas: tuple[float, float] = (0.9, 0.95)):
         params = [p for _, p in named_parameters]
         self.param_cfgs: dict[nn.Parameter, ParamConfig] = {p: ParamConfig(optim="adam") for p in params}
-        self.adam_every = 1
         self.base_lr = lr
         self.opt = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
         self.grad_buffers: dict[nn.Parameter, Tensor] = {}
@@ -30,10 +33,8 @@ class AdamWBaseline:
     def set_grad_buffer(self, param: nn.Parameter, buffer: Tensor) -> None:
         self.grad_buffers[param] = buffer
 
-    def adam_step_due(self, step: int) -> bool:
-        return True
-
-    def step(self, step: int, lr_scale: float, momentum: float | None = None) -> None:
+    def step(self, step: int, lr_scale: float, momentum: float, adam_step: bool) -> None:
+        """One AdamW update; momentum and adam_step are ignored (module docstring)."""
         for p, buf in self.grad_buffers.items():
             p.grad = buf
         for group in self.opt.param_groups:

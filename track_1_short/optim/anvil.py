@@ -2,7 +2,7 @@
 everything else, both sharded across ranks.
 
 What it replaces: modded-nanogpt's 575-line `NorMuonAndAdam` (HEAD f411b3d3, `train_gpt.py:349-947`),
-split here by concern: anvil_config.py (ParamConfig, the name table, AnvilConfig, schedules),
+split here by concern: anvil_config.py (ParamConfig, the name table, AnvilConfig),
 anvil_math.py (the per-shard update math, checked against float64 references), polar_express.py
 (orthogonalisation and its coefficients) and this file (sharding, comm order, state). Why it is
 fast: every rank orthogonalises only its 1/W slice of each bank (reduce_scatter -> update ->
@@ -14,19 +14,24 @@ ANVIL (cfg.optim == "anvil"): a bank is [N, R, C] or [N, S, R, C], seen as M = N
 be a multiple of the world size W (the model pads M: GPTConfig.bank_pad_multiple). Per step:
 reduce_scatter(AVG) of p.grad so rank r owns matrices [r*K, (r+1)*K), K = M/W; Nesterov momentum
 (fp32); Polar Express; NorMuon normalisation; cautious weight decay with lr_eff = lr * lr_mul *
-slot_lr_mul * sqrt(max(1, R/C)); all_gather back into the bank. Adam (cfg.optim == "adam"): on Adam steps only (adam_step_due), on
-p.grad summed over the last two steps; "all_reduce" params are updated whole on every rank,
+slot_lr_mul * sqrt(max(1, R/C)); all_gather back into the bank. Adam (cfg.optim == "adam"): on Adam
+steps only (the caller's `adam_step`, the schedule's StepPlan.adam_step), on p.grad summed since the
+last Adam step (two steps in the speedrun); "all_reduce" params are updated whole on every rank,
 "sharded" ones by dim-0 row blocks of Dp = ceil(D0/W) rows (padded buffers when W does not divide D0).
 
-Per-step call order (train.py): backward (p.grad set; ANVIL banks may hold the step graph's own
-gradient buffer, which the reduce-scatter here reads before the next replay rewrites it) ->
-`step(step, lr_scale)` -> nothing else. step() is `write_step_values` (host: this step's momentum,
-lrs, Adam step sizes into the StepValues tensor, one H2D copy, no sync) -> `run_step` (device work
-only: reads every per-step value through that tensor, no host sync, no .item(), no branch on device
-values, allocates no persistent memory; its Python inputs are the cadence (adam_due) and the tie
-state, so a CUDA graph per cadence can capture it) -> `zero_grad(step)`, which drops ANVIL grads
-every step and Adam grads only after an Adam step, so on even steps the next backward (eager
-AccumulateGrad, or StepGraphs.backward's persistent accumulator) adds into the kept .grad.
+Per-step call order (trainer/step.py): backward (p.grad set; ANVIL banks may hold the step graph's
+own gradient buffer, which the reduce-scatter here reads before the next replay rewrites it) ->
+`step(step, lr_scale, momentum, adam_step)` -> nothing else. The optimizer derives no cadence: the
+momentum and whether Adam updates come from the schedule's StepPlan (plan.momentum,
+plan.adam_step), passed by the caller. step() is `write_step_values(lr_scale, momentum,
+adam_step)` (host: this step's momentum, lrs, Adam step sizes into the StepValues tensor, one H2D
+copy, no sync; advances the Adam step count on Adam steps) -> `run_step(step, adam_step)` (device
+work only: reads every per-step value through that tensor, no host sync, no .item(), no branch on
+device values, allocates no persistent memory; its Python inputs are the cadence (adam_step) and
+the tie state, so a CUDA graph per cadence can capture it; `step` only names failures) ->
+`zero_grad(adam_step)`, which drops ANVIL grads every step and Adam grads only after an Adam step,
+so between Adam steps the next backward (GradHandoff's persistent accumulator, which adds unless
+the plan opens a window: StepPlan.adam_first) adds into the kept .grad.
 value_embeds: its gradient never reaches p.grad; `set_grad_buffer(param, ValueEmbedPull.grad_accum)`
 makes step() read that buffer instead and zero it in place after the Adam update consumed it.
 Tied embed/lm_head (`tied_embed_head=(embed, lm_head)`, lm_head stored [d, V]): while tied, on Adam
@@ -92,13 +97,12 @@ from torch import Tensor, nn
 
 from track_1_short.optim import anvil_math
 from track_1_short.optim.anvil_config import (ADAM, ALL_REDUCE, ANVIL, PARAM_TABLE, SHARDED,
-                                              AnvilConfig, ParamConfig, adam_step_due,
-                                              anvil_momentum, build_param_cfgs)
+                                              AnvilConfig, ParamConfig, build_param_cfgs)
 from track_1_short.optim.polar_express import POLAR_EXPRESS_COEFFS, derive_coefficients
 from track_1_short.optim.step_values import StepValues
 
 __all__ = ["AnvilAndAdam", "AnvilConfig", "ParamConfig", "PARAM_TABLE", "build_param_cfgs",
-           "anvil_momentum", "adam_step_due", "STATE_FORMAT"]
+           "STATE_FORMAT"]
 
 STATE_FORMAT = "track_1_short.anvil_and_adam/1"
 AVG = dist.ReduceOp.AVG
@@ -268,9 +272,6 @@ class AnvilAndAdam:
 
     # ---- public per-step API ----
 
-    def adam_step_due(self, step: int) -> bool:
-        return adam_step_due(step, self.cfg)
-
     def set_grad_buffer(self, param: nn.Parameter, buffer: Tensor):
         """Read `param`'s gradient from `buffer` (persistent, summed over the Adam interval by its
         owner) instead of param.grad; step() zeroes it in place after each Adam update. Call once at
@@ -285,20 +286,20 @@ class AnvilAndAdam:
         self.grad_buffers[param] = buffer
 
     @torch.no_grad()
-    def step(self, step: int, lr_scale: float, momentum: float | None = None):
-        """One optimizer step; `lr_scale` multiplies both base lrs; momentum defaults to the
-        schedule (anvil_momentum). Host half, device half, then zero_grad(step)."""
-        self.write_step_values(step, lr_scale, momentum)
-        self.run_step(step, self.adam_step_due(step))
-        self.zero_grad(step)
+    def step(self, step: int, lr_scale: float, momentum: float, adam_step: bool):
+        """One optimizer step: `lr_scale` multiplies both base lrs, `momentum` is the ANVIL momentum,
+        `adam_step` says whether Adam updates (the schedule's plan.lr_mul, plan.momentum,
+        plan.adam_step). Host half, device half, then zero_grad; `step` only names failures."""
+        self.write_step_values(lr_scale, momentum, adam_step)
+        self.run_step(step, adam_step)
+        self.zero_grad(adam_step)
 
-    def write_step_values(self, step: int, lr_scale: float, momentum: float | None = None):
+    def write_step_values(self, lr_scale: float, momentum: float, adam_step: bool):
         """Host half of step(): this step's values (computed in double) into self.step_values, and
-        the Adam step count advanced on Adam steps, so call it exactly once per step, before
+        the Adam step count advanced when `adam_step`, so call it exactly once per step, before
         run_step and outside any captured region (StepValues' ring slot is not address-stable)."""
-        mu = anvil_momentum(step, self.cfg) if momentum is None else momentum
         lr = self.cfg.lr * lr_scale
-        values = [mu, lr, self.cfg.weight_decay * lr]
+        values = [momentum, lr, self.cfg.weight_decay * lr]
         t = self.adam_steps + 1  # the bias corrections of the next Adam step (unused on other steps)
         for a in self.adam_group + self.adam_tables:
             beta1, beta2 = a.cfg.betas
@@ -306,27 +307,28 @@ class AnvilAndAdam:
             values += [beta1, beta2, lr_a * math.sqrt(1 - beta2 ** t) / (1 - beta1 ** t),
                        lr_a * lr_a * self.cfg.adam_weight_decay * a.cfg.wd_mul]
         self.step_values.write(values)
-        if self.adam_step_due(step):
+        if adam_step:
             self.adam_steps = t
 
     @torch.no_grad()
-    def run_step(self, step: int, adam_due: bool):
-        """Device half of step(): reductions, updates, gathers (see the module docstring). Reads the
-        per-step values only through self.step_values; `step` only names failures."""
+    def run_step(self, step: int, adam_step: bool):
+        """Device half of step(): reductions, updates (Adam's only when `adam_step`), gathers (see
+        the module docstring). Reads the per-step values only through self.step_values; `step` only
+        names failures."""
         # Phase 1: launch all reductions (async); banks first, they feed the longest math.
-        pending = self._launch_reductions(step, adam_due)
+        pending = self._launch_reductions(step, adam_step)
         # Phase 2: Adam math overlaps the bank reduce-scatters; table gathers launch as each is done.
-        gathers = self._adam_phase(pending) if adam_due else []
+        gathers = self._adam_phase(pending) if adam_step else []
         # Phase 3: bank math (Polar Express) overlaps the Adam gathers; bank gathers launch per bank.
         gathers += self._anvil_phase(pending)
         # Phase 4: wait, lm_head first so the tied embed copy overlaps the remaining gathers.
-        self._finish(gathers, adam_due)
+        self._finish(gathers, adam_step)
 
-    def zero_grad(self, step: int):
-        """Drop ANVIL grads every step and Adam grads after Adam steps only (they accumulate)."""
-        adam_due = self.adam_step_due(step)
+    def zero_grad(self, adam_step: bool):
+        """Drop ANVIL grads every step and Adam grads after Adam steps only (between Adam steps
+        they accumulate)."""
         for p, c in self.param_cfgs.items():
-            if c.optim == ANVIL or adam_due:
+            if c.optim == ANVIL or adam_step:
                 p.grad = None
 
     # ---- phases ----
@@ -337,7 +339,7 @@ class AnvilAndAdam:
         assert g is not None, f"step {step}: {a.name} has no gradient on an Adam step"
         return g
 
-    def _launch_reductions(self, step: int, adam_due: bool) -> dict:
+    def _launch_reductions(self, step: int, adam_step: bool) -> dict:
         pending = {}
         for b in self.banks:
             g = b.param.grad
@@ -345,7 +347,7 @@ class AnvilAndAdam:
             g = g.view(b.view.shape)  # [M, R, C]
             pending[b] = (g, None) if b.grad is None else (b.grad, _reduce_scatter(
                 b.grad, g, op=AVG, group=self.group, async_op=True))
-        if not adam_due:
+        if not adam_step:
             return pending
         if self.tied:
             embed, head = self.tied
@@ -426,8 +428,8 @@ class AnvilAndAdam:
                                                                async_op=True)))
         return gathers
 
-    def _finish(self, gathers: list, adam_due: bool):
-        head = self.tied[1] if self.tied and adam_due else None
+    def _finish(self, gathers: list, adam_step: bool):
+        head = self.tied[1] if self.tied and adam_step else None
         gathers.sort(key=lambda item: item[0] is not head)
         for owner, work in gathers:
             work.wait()

@@ -8,11 +8,11 @@ table does not cover, so a new model parameter can never silently go untrained.
 What must stay stable: nothing here holds tensors. `AnvilConfig` is validated when built; every
 rule names the field to change (tests/test_anvil_math.py has one test per rule).
 
-Provenance: facts sections 3 (momentum schedule, Adam every other step) and 4.1/4.2 (per-parameter
-betas, lr_mul, wd_mul, comm mode). Deviations: the table covers this package's model names
-(value_embeds through ValueEmbedPull, no bigram table: the n-gram rows are NgramStore's own sparse
-update, not the optimizer's); names of a compiled model ("_orig_mod.") are matched without that
-prefix.
+Provenance: facts sections 4.1/4.2 (per-parameter betas, lr_mul, wd_mul, comm mode); the momentum
+schedule and the Adam cadence (facts 3) are the schedule's (schedule.py StepPlan). Deviations: the
+table covers this package's model names (value_embeds through ValueEmbedPull, no bigram table: the
+n-gram rows are NgramStore's own sparse update, not the optimizer's); names of a compiled model
+("_orig_mod.") are matched without that prefix.
 """
 
 import fnmatch
@@ -103,21 +103,17 @@ def build_param_cfgs(named_parameters, table=PARAM_TABLE) -> dict[nn.Parameter, 
 
 @dataclass(slots=True, kw_only=True)
 class AnvilConfig:
-    """Optimizer knobs (defaults: the speedrun, facts 3 and 4)."""
+    """Optimizer knobs (defaults: the speedrun, facts 3 and 4). The per-step values (momentum, whether
+    Adam updates) are not here: they come from the schedule's StepPlan (schedule.py), passed to
+    AnvilAndAdam.step by the trainer."""
 
     lr: float = 0.023  # ANVIL base lr (times lr_scale, lr_mul, shape_mult)
     adam_lr: float = 0.008  # Adam base lr (times lr_scale, lr_mul)
-    momentum_min: float = 0.85  # ANVIL momentum at step 0 and at the last step
-    momentum_max: float = 0.95
-    momentum_warmup_steps: int = 300  # linear min -> max over steps [0, warmup]
-    momentum_cooldown_steps: int = 50  # linear max -> min over the last steps of num_steps
-    num_steps: int = 1285  # scheduled + extension steps (the cooldown ends here)
     beta2: float = 0.9  # NorMuon second-moment EMA
     weight_decay: float = 1.2  # ANVIL, applied as wd * lr * lr_eff (cautious)
     adam_eps: float = 1e-10
     adam_weight_decay: float = 0.005  # applied as lr^2 * wd * wd_mul (cautious)
     ns_steps: int = 5  # Polar Express iterations (5: the published coefficients; else derived)
-    adam_every: int = 2  # Adam steps on steps with step % adam_every == adam_every - 1
     ortho_dtype: str = "auto"  # Polar Express dtype: "auto" (bf16 on CUDA, fp32 on CPU), or a name
     # torch.compile(dynamic=False, fullgraph=True) anvil_math's step functions (one graph per bank
     # shard shape, per table and for the small-parameter group; per-step values are tensor inputs).
@@ -134,20 +130,10 @@ class AnvilConfig:
         for name in ("weight_decay", "adam_weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"AnvilConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.momentum_min <= self.momentum_max < 1:
-            raise ValueError("AnvilConfig.momentum_min/momentum_max need 0 <= min <= max < 1, got "
-                             f"{self.momentum_min}, {self.momentum_max}")
         if not 0 <= self.beta2 < 1:
             raise ValueError(f"AnvilConfig.beta2 must lie in [0, 1), got {self.beta2}")
-        if self.momentum_warmup_steps < 0 or self.momentum_cooldown_steps < 0:
-            raise ValueError("AnvilConfig.momentum_warmup_steps/momentum_cooldown_steps must be >= 0")
-        if self.momentum_warmup_steps + self.momentum_cooldown_steps > self.num_steps:
-            raise ValueError("AnvilConfig.num_steps must cover momentum_warmup_steps + "
-                             f"momentum_cooldown_steps, got {self.num_steps}")
         if not 1 <= self.ns_steps <= 12:
             raise ValueError(f"AnvilConfig.ns_steps must lie in [1, 12], got {self.ns_steps}")
-        if self.adam_every < 1:
-            raise ValueError(f"AnvilConfig.adam_every must be >= 1, got {self.adam_every}")
         if self.compile not in (None, True, False):
             raise ValueError(f"AnvilConfig.compile must be None (auto), True or False, got {self.compile!r}")
         if self.compile_backend not in COMPILE_BACKENDS:
@@ -156,19 +142,3 @@ class AnvilConfig:
         if self.ortho_dtype not in ("auto", "bfloat16", "float32", "float64"):
             raise ValueError("AnvilConfig.ortho_dtype must be auto, bfloat16, float32 or float64, "
                              f"got {self.ortho_dtype!r}")
-
-
-def anvil_momentum(step: int, cfg: AnvilConfig) -> float:
-    """ANVIL momentum at `step`: min -> max over the warmup, max, max -> min over the cooldown."""
-    lo, hi = cfg.momentum_min, cfg.momentum_max
-    cooldown_start = cfg.num_steps - cfg.momentum_cooldown_steps
-    if step < cfg.momentum_warmup_steps:
-        return lo + (hi - lo) * step / cfg.momentum_warmup_steps
-    if cfg.momentum_cooldown_steps and step >= cooldown_start:
-        return hi - (hi - lo) * min(1.0, (step - cooldown_start) / cfg.momentum_cooldown_steps)
-    return hi
-
-
-def adam_step_due(step: int, cfg: AnvilConfig) -> bool:
-    """Adam updates on odd steps (adam_every=2), each on the gradient summed over the last two."""
-    return step % cfg.adam_every == cfg.adam_every - 1

@@ -30,6 +30,13 @@ CPU; gloo supports it for int64/float64/float32/bfloat16 with uneven splits in t
   before step s+1's slots_for, whatever phase A did earlier (tested across events in
   test_ngram_sharded.py).
 
+Held gradients (`hold`): one per micro-step until the next update event. The bound is built at
+construction from the schedule's cycle and the run's micro-steps (`NgramStore(lookup, cycle=
+ScheduleConfig.ngram_cycle, micro_steps=RunSpec.micro_steps)`): `max_held = cycle x micro_steps`,
+exactly reached on the last micro-step of a (non-final) event step, and the size of the step
+graphs' ring (trainer/build.py passes `max_held` to it). A hold past it is a RuntimeError: an
+event the plan has (StepPlan.ngram_event) was skipped.
+
 Update event (`update_event(step, lr_scale)`, collective, on the schedule's `ngram_event` steps
 after the optimizer): the held (grad [2T, R], ids [2T]) of every micro-step since the last event
 are summed per row locally (unique + index_add), sent to their owners (all_to_all_single of counts,
@@ -107,8 +114,14 @@ def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class NgramStore(nn.Module):
-    def __init__(self, lookup: NgramLookup):
+    def __init__(self, lookup: NgramLookup, *, cycle: int, micro_steps: int):
+        """`cycle`: steps between update events (ScheduleConfig.ngram_cycle); `micro_steps`: held
+        gradients per step (RunSpec.micro_steps). Both only bound the held gradients."""
         super().__init__()
+        if cycle < 1 or micro_steps < 1:
+            raise ValueError(f"NgramStore: cycle={cycle} (ScheduleConfig.ngram_cycle) and "
+                             f"micro_steps={micro_steps} must be >= 1")
+        self.cycle, self.micro_steps = cycle, micro_steps
         cfg = self.cfg = lookup.cfg
         # A reference, not a submodule: the lookup is the GPT's (its state_dict and the census).
         self.__dict__["lookup"] = lookup
@@ -202,15 +215,19 @@ class NgramStore(nn.Module):
     def num_pending(self) -> int:
         return len(self.held.ids)
 
+    @property
+    def max_held(self) -> int:
+        """Most gradients held at once: cycle x micro_steps (the step graphs' ring has this many slots)."""
+        return self.cycle * self.micro_steps
+
     def hold(self, ngram_grad: Tensor, ids: Tensor):
         """Keep one micro-step's sink gradient [2T, R] and its row ids [2T] until the update event.
         The caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
-        # The step graphs' ring has cycle x micro_steps slots; one more held gradient would alias a
-        # live one (an explicit raise: this guard must survive python -O).
-        bound = self.cfg.cycle * self.cfg.micro_steps
-        if self.num_pending >= bound:
-            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > cycle {self.cfg.cycle} x "
-                               f"micro_steps {self.cfg.micro_steps}; an update event was missed")
+        # The step graphs' ring has max_held slots; one more held gradient would alias a live one
+        # (an explicit raise: this guard must survive python -O).
+        if self.num_pending >= self.max_held:
+            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > cycle {self.cycle} x "
+                               f"micro_steps {self.micro_steps}; an update event was missed")
         self.held.grads.append(ngram_grad)
         self.held.ids.append(ids)
 

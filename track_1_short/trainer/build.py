@@ -76,13 +76,9 @@ def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
 def make_spec(cfg: RunConfig, ctx: DistributedContext, run_dir) -> RunSpec:
     schedule = Schedule(cfg.schedule)
     num_steps = min(schedule.num_steps, cfg.train.max_steps or schedule.num_steps)
-    micro_steps = cfg.data.slices_per_step // ctx.world_size
-    if micro_steps * ctx.world_size != cfg.data.slices_per_step:
-        raise ValueError(f"world size {ctx.world_size} must divide slices_per_step "
-                         f"{cfg.data.slices_per_step} (use 1, 2, 4 or 8 GPUs)")
     plans = [schedule.plan(step) for step in range(num_steps)]
-    return RunSpec(cfg=cfg, ctx=ctx, schedule=schedule, num_steps=num_steps, micro_steps=micro_steps,
-                   plans=tuple(plans), fwd_cfgs=forward_configs(plans, ctx.device),
+    return RunSpec(cfg=cfg, ctx=ctx, schedule=schedule, num_steps=num_steps, plans=tuple(plans),
+                   fwd_cfgs=forward_configs(plans, ctx.device),
                    untie_step=untie_step(cfg, schedule), run_dir=run_dir)
 
 
@@ -149,7 +145,10 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device, cfg.train.fused_loss)  # 1.-3.
-    ngram = NgramStore(model.ngram_table)  # 4. the table behind the model's lookup (its cache)
+    # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
+    # until the schedule's event
+    ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
+                       micro_steps=spec.micro_steps)
     if ctx.world_size > 1:
         ngram.shard(ctx.rank, ctx.world_size)
     optimizer = make_optimizer_graphs(  # 5. (its step captured per cadence with --graphs on)
@@ -158,7 +157,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
                               seed=cfg.graphs.seed,
                               # one micro-step: p.grad is the step graph's own buffer (per key)
                               grad_inputs="adopt" if spec.micro_steps > 1 else "stage"),
-        num_steps=spec.num_steps, untie_step=spec.untie_step, backend=graph_backend, device=device)
+        plans=spec.plans, untie_step=spec.untie_step, backend=graph_backend, device=device)
     forward_fn, eval_fn = model, model.eval_ce
     if cfg.train.compile:  # 6.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
@@ -169,10 +168,9 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     keys = step_keys(spec.schedule, num_steps=spec.num_steps)  # 7.
     runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
-                              max_step_tokens=max(k.tokens for k in keys),
-                              adam_every=getattr(optimizer, "adam_every", cfg.optim.adam_every),
-                              grad_accum_steps=spec.micro_steps, device=device, backend=graph_backend,
-                              ngram_ring_slots=cfg.schedule.ngram_cycle * spec.micro_steps)
+                              max_step_tokens=max(k.tokens for k in keys), plans=spec.plans,
+                              micro_steps=spec.micro_steps, ngram_ring_slots=ngram.max_held,
+                              device=device, backend=graph_backend)
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
                      runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram), prefix_table=prefix)
@@ -181,8 +179,6 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
 def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:
     """The run's parts: model prepared, validation tokens loaded, metrics and timer ready."""
     cfg, ctx = spec.cfg, spec.ctx
-    # one cadence, the schedule's; the table holds one sink gradient per micro-step until its event
-    cfg.model.ngram.cycle, cfg.model.ngram.micro_steps = cfg.schedule.ngram_cycle, spec.micro_steps
     parts = prepare_model(build_model(cfg, ctx.device), spec, graph_backend)
     log = RunLog(metrics=MetricsLog(spec.run_dir, enabled=ctx.is_main), timer=StepTimer(ctx.device),
                  syncs=SyncCounter(ctx.device))

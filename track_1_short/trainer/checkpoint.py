@@ -26,9 +26,12 @@ Validation (`validate_checkpoint`, before anything is built): `trainer.json` par
 keys, `.metadata` reads, and every storage file it lists exists and is at least as long as the
 last byte it points at. A bad checkpoint is a CheckpointError naming the file and the fix.
 
-Alignment: a checkpoint is only taken where nothing is held across the step boundary: after an
-Adam step (Adam's two-step accumulator is empty) and after an n-gram update event (no held sink
-gradients), i.e. at multiples of `period = lcm(adam_every, ngram_cycle)`.
+Alignment (`aligned`): a checkpoint is only taken where nothing is held across the step boundary,
+read from the schedule's plan of the step before it (StepPlan.nothing_held): after an Adam step
+(Adam's accumulator is consumed) that is also an n-gram update event (no held sink gradients).
+Those boundaries are the multiples of the schedule's `checkpoint_period` (lcm of the two cadences,
+which --save-every must be a multiple of), plus the run's end when the last step's forced event
+falls on an Adam step.
 
 Loading copies into the existing tensors (DCP loads in place), so no address a step graph baked
 moves. Optimizer shards load on the same world size only.
@@ -46,6 +49,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +60,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from tqdm import tqdm
 
 if TYPE_CHECKING:
+    from track_1_short.schedule import StepPlan
     from track_1_short.trainer.state import Progress, RunSpec, StepParts
 
 PREFIX = "ckpt_step"
@@ -183,9 +188,10 @@ def _delete(path: Path) -> None:
 
 # ---------------------------------------------------------------- save / load
 
-def aligned(steps_done: int, period: int) -> bool:
-    """True when nothing is held across the boundary after `steps_done` steps."""
-    return steps_done % period == 0
+def aligned(plans: Sequence[StepPlan], steps_done: int) -> bool:
+    """True when nothing is held across the boundary after `steps_done` steps: the plan of the
+    last step done says so (plans: the run's, indexed by step; 0 steps done holds nothing)."""
+    return steps_done == 0 or plans[steps_done - 1].nothing_held
 
 
 def _barrier() -> None:
@@ -269,7 +275,7 @@ def save_run(spec: RunSpec, parts: StepParts, progress: Progress, steps_done: in
     path = checkpoint_path(spec.run_dir, steps_done)
     if steps_done == progress.last_saved_step:
         return path
-    if not aligned(steps_done, spec.checkpoint_period):
+    if not aligned(spec.plans, steps_done):
         if spec.ctx.is_main:
             tqdm.write(f"checkpoint after step {steps_done} skipped: checkpoints are exact only every "
                        f"{spec.checkpoint_period} steps (no Adam or n-gram gradient held across)")

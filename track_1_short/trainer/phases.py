@@ -78,8 +78,8 @@ def validate(run: Run, step: int) -> float:
 
 def _flush_gap(run: Run, visits: list[int], i: int) -> None:
     """The steps the visit plan skips after visit i would have applied the held n-gram gradients
-    (an event comes every ngram_cycle steps); without this the next block overflows the ring
-    (cycle x micro_steps slots). Collective: every rank has the plan."""
+    (the plan's ngram_event steps); without this the next block overflows the ring
+    (NgramStore.max_held slots). Collective: every rank has the plan."""
     ngram, step = run.parts.ngram, visits[i]
     if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
         ngram.update_event(step, run.spec.plans[step].lr_mul)
@@ -179,7 +179,7 @@ def timed_run(run: Run, start_step: int) -> None:
         if spec.cfg.train.save_every and steps_done % spec.cfg.train.save_every == 0:
             with clock.paused():
                 checkpoint.save_run(spec, run.parts, progress, steps_done)
-        if run.stop.should_stop(steps_done, checkpoint.aligned(steps_done, spec.checkpoint_period)):
+        if run.stop.should_stop(steps_done, checkpoint.aligned(spec.plans, steps_done)):
             break
     clock.stop()
     bar.close()

@@ -40,6 +40,7 @@ from track_1_short.data import (DataError, ShardStats, capacity_rows, check_shar
 from track_1_short.distributed import DistributedContext
 from track_1_short.schedule import Schedule
 from track_1_short.trainer.checkpoint import CheckpointError, CheckpointInfo, resolve_resume
+from track_1_short.trainer.state import micro_steps_per_rank
 
 
 class PreflightError(ValueError):
@@ -141,7 +142,7 @@ def _check_resume(info: CheckpointInfo, cfg: RunConfig, world_size: int) -> None
     if saved_ws != world_size:
         raise CheckpointError(f"--resume {info.path}: saved on {saved_ws} rank(s), running on "
                               f"{world_size}; the optimizer shards load on the same world size")
-    micro = cfg.data.slices_per_step // world_size
+    micro = micro_steps_per_rank(cfg.data.slices_per_step, world_size)
     if saved_micro != micro:
         raise CheckpointError(f"--resume {info.path}: saved with {saved_micro} micro-step(s) per "
                               f"rank, this run has {micro}: another global batch; resume with the "

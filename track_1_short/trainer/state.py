@@ -2,7 +2,9 @@
 
 What it replaces: a 28-field `Run` dataclass (four fields typed `object`) that every phase
 function and the checkpoint code took whole and reached into (`run.cfg.optim.adam_every`,
-`run.cfg.schedule.ngram_cycle`), so no function said what it reads or writes.
+`run.cfg.schedule.ngram_cycle`), so no function said what it reads or writes. Every cadence is
+now read from `RunSpec.plans` (schedule.StepPlan), the run constant micro-step count from
+`RunSpec.micro_steps`.
 
 The four parts, in the order they come to exist (trainer/lifecycle.py):
   RunSpec    what this run is: config, ranks, schedule and its per-step plans, the run dir. Built
@@ -49,7 +51,7 @@ class Optimizer(Protocol):
 
     tied: object | None  # the tied (embed, lm_head) pair while tied, else None
 
-    def step(self, step: int, lr_scale: float, momentum: float | None = None) -> None: ...
+    def step(self, step: int, lr_scale: float, momentum: float, adam_step: bool) -> None: ...
     def untie_embed_head(self) -> None: ...
     def warmup_visits(self, visits) -> list[int]: ...
     def seal(self) -> None: ...
@@ -60,6 +62,15 @@ class Optimizer(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+def micro_steps_per_rank(slices_per_step: int, world_size: int) -> int:
+    """Micro-steps (slices) per rank per step: the global batch's slices over the ranks. The one
+    formula of this run constant (RunSpec.micro_steps; the resume check compares a checkpoint's)."""
+    if world_size < 1 or slices_per_step % world_size:
+        raise ValueError(f"world size {world_size} must divide slices_per_step {slices_per_step} "
+                         f"(use 1, 2, 4 or 8 GPUs, or set --micro-steps)")
+    return slices_per_step // world_size
+
+
 @dataclass(slots=True, frozen=True)
 class RunSpec:
     """What this run is (see the module docstring); frozen once built."""
@@ -68,15 +79,24 @@ class RunSpec:
     ctx: DistributedContext
     schedule: Schedule
     num_steps: int  # the schedule's, or --max-steps
-    micro_steps: int  # per rank per step: slices_per_step / world_size
-    plans: tuple[StepPlan, ...]  # schedule.plan(step) of every step, made once
+    plans: tuple[StepPlan, ...]  # schedule.plan(step) of every step, made once: every cadence
     fwd_cfgs: tuple[ForwardScheduleConfig, ...]  # per step, tensors made once on the device
     untie_step: int | None  # embed / lm_head untie after this step's update (None: never)
     run_dir: Path
 
+    def __post_init__(self):
+        # the world size must divide the global batch (ValueError naming both otherwise)
+        micro_steps_per_rank(self.cfg.data.slices_per_step, self.ctx.world_size)
+
+    @property
+    def micro_steps(self) -> int:
+        """Per rank per step (micro_steps_per_rank); given at construction to everything bounded
+        by it: GradHandoff (the step runner), the n-gram store's held bound and ring size."""
+        return micro_steps_per_rank(self.cfg.data.slices_per_step, self.ctx.world_size)
+
     @property
     def checkpoint_period(self) -> int:
-        return self.cfg.checkpoint_period
+        return self.schedule.checkpoint_period
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ in the step runner (StepGraphs or EagerStep, same interface).
 Call order per step (train_step): YaRN window (moves only where ws_long changes) -> per micro-step:
 loader batch -> n-gram slots -> runner.forward -> next micro-batch's row-id exchange (hidden
 under the backward) -> runner.backward -> hold the n-gram gradient -> optimizer.step (ANVIL
-every step, Adam every 2nd) -> embed/head untie (once) -> n-gram update event (event steps).
+every step, Adam on the plan's adam_step steps) -> embed/head untie (once) -> n-gram update event
+(the plan's ngram_event steps). Every cadence is the step's StepPlan's (schedule.py).
 The timer marks the end of each phase (timing.StepTimer: micro_steps, optimizer, ngram_update).
 """
 
@@ -45,7 +46,7 @@ def train_step(spec: RunSpec, parts: StepParts, step: int, loader: LookaheadLoad
         ngram.hold(held, ids)
     timer.mark(step, "micro_steps")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
-    parts.optimizer.step(step, plan.lr_mul, plan.momentum)
+    parts.optimizer.step(step, plan.lr_mul, plan.momentum, plan.adam_step)
     if step == spec.untie_step and parts.optimizer.tied:
         parts.optimizer.untie_embed_head()  # embed's Adam state <- lm_head's (collective)
     timer.mark(step, "optimizer")

@@ -23,7 +23,8 @@ StepGraphs, visits drive the warmup loop (the same train_step as the timed run).
 
 Provenance: facts sections 3 and 5 (4 keys, warmup list of s-2..s+1 around each transition).
 Deviations: the list is derived, not written out; the span around each transition widens with the
-Adam cadence and the n-gram cycle so both parities and every held-gradient ring slot are exercised.
+plan's cadences (`cadence_span`: through the first Adam step and the first n-gram event), so a
+whole Adam accumulation window (copy, adds, update) and every held-gradient ring slot are exercised.
 """
 
 from dataclasses import dataclass
@@ -55,18 +56,27 @@ def step_keys(schedule: Schedule, *, num_steps: int | None = None) -> list[StepG
     return keys
 
 
+def cadence_span(schedule: Schedule) -> int:
+    """Steps from step 0 through the later of the plan's first Adam step and first n-gram event
+    (at least 2): those steps open an Adam window, add into it and update (every step kind the
+    handoff and the optimizer have), and fill the n-gram ring from empty to its event."""
+    steps = range(schedule.num_steps)
+    first_adam = next((s for s in steps if schedule.plan(s).adam_step), schedule.num_steps - 1)
+    first_event = next(s for s in steps if schedule.plan(s).ngram_event)  # the last step has one
+    return max(2, first_adam + 1, first_event + 1)
+
+
 def warmup_visit_plan(schedule: Schedule, *, num_steps: int | None = None) -> list[int]:
     """Sorted steps the untimed warmup runs (each a full train_step with its optimizer step).
 
-    Covers: the first `span` steps (both Adam parities, one whole n-gram cycle so every ring slot
-    is used), `span` steps on each side of every stage transition (the YaRN/window changes, the old
-    key's last steps and the new key's first), and at least two visits of every key. Only steps
-    < num_steps (default: the whole schedule); a key that serves a single step there is visited
-    at that step twice (the list then holds the step twice).
+    Covers: the first `span` steps (cadence_span: a whole Adam window and a whole n-gram cycle, so
+    every ring slot is used), `span` steps on each side of every stage transition (the YaRN/window
+    changes, the old key's last steps and the new key's first), and at least two visits of every
+    key. Only steps < num_steps (default: the whole schedule); a key that serves a single step
+    there is visited at that step twice (the list then holds the step twice).
     """
-    cfg = schedule.cfg
     limit = schedule.num_steps if num_steps is None else num_steps
-    span = max(2, cfg.adam_every, cfg.ngram_cycle)
+    span = cadence_span(schedule)
     visits = set(range(min(span, limit)))
     for transition in schedule.transitions():
         visits.update(range(max(0, transition.step - span), min(limit, transition.step + span)))

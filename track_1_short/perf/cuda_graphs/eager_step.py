@@ -13,12 +13,11 @@ the same way as under graphs). baked_tensors() is empty and seal() does nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from track_1_short.constants import MAX_CYCLE_STEPS
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import StepGraphError, loss_grads
 from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, check_ngram_pending
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from track_1_short.ngram_table import NgramTable
     from track_1_short.optim.anvil import AnvilAndAdam
     from track_1_short.perf.value_embed_pull import ValueEmbedPull
+    from track_1_short.schedule import StepPlan
 
 
 class EagerStep:
@@ -37,11 +37,11 @@ class EagerStep:
     compiled model directly, so train_step is one piece of code for graphs on and off."""
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
-                 ngram_table: NgramTable, value_embeds: ValueEmbedPull, *, adam_every: int,
-                 grad_accum_steps: int = 1, ngram_ring_slots: int = MAX_CYCLE_STEPS):
+                 ngram_table: NgramTable, value_embeds: ValueEmbedPull, *,
+                 plans: Sequence[StepPlan], micro_steps: int, ngram_ring_slots: int):
         self.model = model
         self.params = list(optimizer.param_cfgs)
-        self.handoff = GradHandoff(optimizer.param_cfgs, adam_every, grad_accum_steps)
+        self.handoff = GradHandoff(optimizer.param_cfgs, plans, micro_steps)
         self.step_keys = list(step_keys)
         self.ngram_table = ngram_table
         self.value_embeds = value_embeds

@@ -5,17 +5,19 @@ twin EagerStep, so p.grad means the same with graphs on and off.
 Gradients (GradHandoff): the captured backward writes each gradient into its own pool buffer,
 rewritten by the next replay of that key; no AccumulateGrad runs. ANVIL banks take the graph's
 buffer as p.grad (their reduce-scatter reads it before the next backward); Adam parameters,
-stepped every `adam_every` steps on the summed gradient, go through one persistent accumulator
-per parameter: copy on the first step of the cycle, add on the others, decided from the cadence
-(not from `p.grad is None`, which breaks when the optimizer keeps .grad). With grad_accum_steps > 1
-(fewer than 8 GPUs) ANVIL banks get persistent accumulators as well.
+stepped on the plan's Adam steps on the gradient summed since the last one, go through one
+persistent accumulator per parameter: copy on the first micro-step of a step that opens an
+accumulation window (the schedule's StepPlan.adam_first, given per step at construction), add on
+every other micro-step, so the cadence is the plan's (not `p.grad is None`, which breaks when the
+optimizer keeps .grad, and not a second `step % adam_every`). With micro_steps > 1 (fewer than 8
+GPUs) ANVIL banks get persistent accumulators as well (copy on micro-step 0 of every step).
 
 The n-gram ring (NgramGradRing): the sink gradient is held by the n-gram store until its update
-event, up to MAX_CYCLE_STEPS steps (cycle x micro-steps held gradients), so under graphs a
-non-event micro-step's gradient is copied to a private ring slot before the next replay rewrites
-the graph's buffer. Flat slots of [2 * max_step_tokens * D], allocated at the first capture in the
-sink gradient's dtype (D is the store's row width, read from that gradient); each key views its
-own [2T, D] prefix.
+event, up to MAX_CYCLE_STEPS steps (NgramStore.max_held = cycle x micro-steps gradients, the
+ring's size), so under graphs a non-event micro-step's gradient is copied to a private ring slot
+before the next replay rewrites the graph's buffer. Flat slots of [2 * max_step_tokens * D],
+allocated at the first capture in the sink gradient's dtype (D is the store's row width, read
+from that gradient); each key views its own [2T, D] prefix.
 
 What must stay address-stable: the accumulators and the ring slots (StepGraphs.baked_tensors()
 lists both; the census compares them around the post-warmup reset).
@@ -26,8 +28,8 @@ Legend: T tokens of a key, D n-gram row width.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -35,42 +37,55 @@ from torch import Tensor, nn
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import StepGraphError
 
+if TYPE_CHECKING:
+    from track_1_short.schedule import StepPlan
+
 
 class GradHandoff:
-    """Sets p.grad after a backward as loss.backward() plus the optimizer's cadence would.
+    """Sets p.grad after a backward as loss.backward() plus the plan's Adam cadence would.
 
-    ANVIL (grad_accum_steps == 1): p.grad = the backward's own buffer (graph memory under graphs,
+    ANVIL (micro_steps == 1): p.grad = the backward's own buffer (graph memory under graphs,
     overwritten by the next replay of that key: the optimizer consumes it in this step).
     Otherwise p.grad = a persistent accumulator owned here (address-stable, censused): copied on
-    the first backward of its accumulation cycle, added on the others.
+    the first backward of its accumulation window (Adam: micro-step 0 of a plan.adam_first step;
+    ANVIL: micro-step 0 of every step), added on the others.
     """
 
-    __slots__ = ("anvil_params", "adam_every", "grad_accum_steps", "accumulators")
+    __slots__ = ("anvil_params", "adam_first", "micro_steps", "accumulators")
 
-    def __init__(self, param_cfgs: dict[nn.Parameter, Any], adam_every: int, grad_accum_steps: int):
-        if adam_every < 1 or grad_accum_steps < 1:
-            raise ValueError(f"adam_every={adam_every} and grad_accum_steps={grad_accum_steps} "
-                             f"must be >= 1")
+    def __init__(self, param_cfgs: dict[nn.Parameter, Any], plans: Sequence[StepPlan],
+                 micro_steps: int):
+        """`plans`: the schedule's plan of every step the runner serves, indexed by step;
+        `micro_steps`: backwards per step (RunSpec.micro_steps)."""
+        if micro_steps < 1:
+            raise ValueError(f"micro_steps={micro_steps} must be >= 1")
         self.anvil_params = {p for p, cfg in param_cfgs.items() if cfg.optim == "anvil"}
-        self.adam_every = adam_every
-        self.grad_accum_steps = grad_accum_steps
+        self.adam_first = tuple(plan.adam_first for plan in plans)  # indexed by step
+        self.micro_steps = micro_steps
         self.accumulators: dict[nn.Parameter, Tensor] = {}
 
     @property
     def loss_scale(self) -> float:
-        """training_loss's grad_scale: each micro-step contributes 1 / grad_accum_steps."""
-        return 1.0 / self.grad_accum_steps
+        """training_loss's grad_scale: each micro-step contributes 1 / micro_steps."""
+        return 1.0 / self.micro_steps
+
+    def copies_adam(self, step: int, micro_step: int) -> bool:
+        """Whether this backward's Adam gradients are copied into the accumulators (opening the
+        window) rather than added: micro-step 0 of a plan.adam_first step."""
+        if not 0 <= micro_step < self.micro_steps:
+            raise StepGraphError(f"step {step}: micro_step {micro_step} outside "
+                                 f"[0, micro_steps={self.micro_steps})")
+        if not 0 <= step < len(self.adam_first):
+            raise StepGraphError(f"step {step}: outside the {len(self.adam_first)} planned steps")
+        return micro_step == 0 and self.adam_first[step]
 
     def hand_over(self, step: int, micro_step: int,
                   grads: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
-        if not 0 <= micro_step < self.grad_accum_steps:
-            raise StepGraphError(f"step {step}: micro_step {micro_step} outside "
-                                 f"[0, grad_accum_steps={self.grad_accum_steps})")
-        adam_first = micro_step == 0 and step % self.adam_every == 0
+        adam_first = self.copies_adam(step, micro_step)
         copies, adds = [], []
         for p, grad in grads:
             anvil = p in self.anvil_params
-            if anvil and self.grad_accum_steps == 1:
+            if anvil and self.micro_steps == 1:
                 p.grad = grad
                 continue
             acc = self.accumulators.get(p)
@@ -88,8 +103,8 @@ class GradHandoff:
 def check_ngram_pending(pending: int, ring_slots: int) -> None:
     if not 0 <= pending < ring_slots:
         raise StepGraphError(f"{pending} n-gram gradients already held, ring has {ring_slots} "
-                             f"slots (cycle x micro-steps): an n-gram update event was missed or "
-                             f"the cadence exceeds MAX_CYCLE_STEPS")
+                             f"slots (cycle x micro-steps): an n-gram update event of the plan "
+                             f"(StepPlan.ngram_event) was missed")
 
 
 class NgramGradRing:
@@ -98,7 +113,7 @@ class NgramGradRing:
     __slots__ = ("num_slots", "max_step_tokens", "slots")
 
     def __init__(self, num_slots: int, max_step_tokens: int):
-        self.num_slots = num_slots  # most gradients held at once (ngram_cycle x micro-steps)
+        self.num_slots = num_slots  # most gradients held at once (NgramStore.max_held)
         self.max_step_tokens = max_step_tokens
         self.slots: list[Tensor] = []  # each [2 * max_step_tokens * D], allocated by adopt()
 

@@ -9,14 +9,16 @@ launches the whole device half at once, so the host cost of the step drops to wr
 device. Not measured yet (no GPU run of this module; tests/test_optimizer_graphs_gpu.py checks
 correctness, capture_report() gives eager vs replay ms per cadence once it runs).
 
-What is captured: `AnvilAndAdam.run_step(step, adam_due)` (the one definition: warm iterations,
-capture, self-check and the eager path all call it), one graph per CADENCE:
+What is captured: `AnvilAndAdam.run_step(step, adam_step)` (the one definition: warm iterations,
+capture, self-check and the eager path all call it), one graph per CADENCE, read from the
+schedule's plan (StepPlan.adam_step, passed to step() by train_step; `plans` at construction gives
+every step's, for seal() and the warmup's coverage) and the tie state:
     anvil        an ANVIL-only step (the banks; the tie does not enter: run_step reads it only on
                  Adam steps, so tied and untied ANVIL steps share one graph)
     adam_tied    an Adam step while embed and lm_head are tied (lm_head carries embed's gradient)
     adam_untied  an Adam step after untie_embed_head()
-write_step_values (the host half) stays eager, before the replay: its ring slot is not
-address-stable. zero_grad(step) stays eager after it, unchanged.
+write_step_values(lr_scale, momentum, adam_step) (the host half) stays eager, before the replay:
+its ring slot is not address-stable. zero_grad(adam_step) stays eager after it, unchanged.
 
 Gradient inputs (the choice between a graph per (cadence, gradient addresses) and persistent
 gradient buffers): the key is the cadence alone, and the graphs read persistent gradient buffers,
@@ -32,7 +34,7 @@ obtained one of two ways (OptimizerGraphsConfig.grad_inputs):
     "adopt"  the graphs read the p.grad tensors they saw at capture, with no copy; every replay
              checks that each live p.grad has the captured data_ptr and raises naming the
              parameter otherwise. Right when the producer hands persistent buffers: StepGraphs /
-             EagerStep with grad_accum_steps > 1 (1 GPU: 8 micro-steps), whose GradHandoff gives
+             EagerStep with micro_steps > 1 (1 GPU: 8 micro-steps), whose GradHandoff gives
              every parameter a persistent accumulator.
 The alternative, one graph per (cadence, gradient addresses), was not taken: with one micro-step
 it multiplies the graphs by the step-graph keys, and the warmup cannot check the (last key, Adam
@@ -52,7 +54,7 @@ eagerly from the same state and compares every touched tensor: ||replay - eager|
 replay left stale fails at ratio ~1), raising OptimizerGraphError naming the tensor. The state is
 then left as the EAGER run left it. The snapshot and the replay's result are device clones of
 everything touched (warmup only; at the speedrun's shapes ~6 GB each, estimated). seal() after the warmup: every
-cadence seen (and every cadence of the run, given num_steps) has a checked capture; a cadence
+cadence seen (and every cadence of the run, given the plans) has a checked capture; a cadence
 without one afterwards is fatal.
 Mode "check" repeats the full check on the timed steps step_graphs.sampled_check_steps picks.
 
@@ -87,9 +89,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -97,6 +99,9 @@ from torch import Tensor, nn
 from track_1_short.perf.cuda_graphs.capture_support import (
     CudaGraphBackend, GraphBackend, StepGraphError, paused_gc, warm_up)
 from track_1_short.perf.cuda_graphs.step_graphs import GRAPH_MODES, sampled_check_steps
+
+if TYPE_CHECKING:
+    from track_1_short.schedule import StepPlan
 
 # Replay vs eager run the same kernels on the same state; this bounds rounding differences only
 # (the step graphs' gradient tolerance); a stale or baked replay is off by ~1 (see the docstring).
@@ -143,28 +148,24 @@ class OptimizerGraphsConfig:
 class Cadence(NamedTuple):
     """What run_step's Python control flow depends on: the graph key."""
 
-    adam: bool  # an Adam step (adam_step_due)
+    adam: bool  # an Adam step (StepPlan.adam_step)
     tied: bool  # embed/lm_head tied on this Adam step (always False on ANVIL-only steps)
 
     def __str__(self) -> str:
         return "adam_tied" if self.tied else "adam_untied" if self.adam else "anvil"
 
 
-def live_cadence(optimizer, step: int) -> Cadence:
-    adam = optimizer.adam_step_due(step)
-    return Cadence(adam=adam, tied=adam and optimizer.tied is not None)
+def live_cadence(optimizer, adam_step: bool) -> Cadence:
+    return Cadence(adam=adam_step, tied=adam_step and optimizer.tied is not None)
 
 
-def step_cadences(optimizer, num_steps: int, untie_step: int | None) -> list[Cadence]:
-    """The cadence of every step of a run: tied from the start (when the optimizer has a
-    tied_embed_head) up to and including `untie_step` (train_step unties after its update)."""
+def step_cadences(optimizer, plans: Sequence[StepPlan], untie_step: int | None) -> list[Cadence]:
+    """The cadence of every step of a run (plans: the schedule's, indexed by step): Adam on
+    plan.adam_step, tied from the start (when the optimizer has a tied_embed_head) up to and
+    including `untie_step` (train_step unties after its update)."""
     tied_at_start = getattr(optimizer, "tied_initial", None) is not None
-    out = []
-    for step in range(num_steps):
-        adam = optimizer.adam_step_due(step)
-        tied = adam and tied_at_start and (untie_step is None or step <= untie_step)
-        out.append(Cadence(adam=adam, tied=tied))
-    return out
+    return [Cadence(adam=plan.adam_step, tied=plan.adam_step and tied_at_start
+                    and (untie_step is None or plan.step <= untie_step)) for plan in plans]
 
 
 def cover_cadences(visits: Iterable[int], cadences: list[Cadence], untie_step: int | None) -> list[int]:
@@ -226,11 +227,6 @@ class _OptimizerFront:
         return getattr(self.optimizer, "tied", None)
 
     @property
-    def adam_every(self) -> int:
-        opt = self.optimizer
-        return opt.adam_every if hasattr(opt, "adam_every") else opt.cfg.adam_every
-
-    @property
     def param_cfgs(self) -> dict:
         return self.optimizer.param_cfgs
 
@@ -241,11 +237,8 @@ class _OptimizerFront:
     def set_grad_buffer(self, param: nn.Parameter, buffer: Tensor) -> None:
         self.optimizer.set_grad_buffer(param, buffer)
 
-    def adam_step_due(self, step: int) -> bool:
-        return self.optimizer.adam_step_due(step)
-
-    def zero_grad(self, step: int) -> None:
-        self.optimizer.zero_grad(step)
+    def zero_grad(self, adam_step: bool) -> None:
+        self.optimizer.zero_grad(adam_step)
 
     def untie_embed_head(self) -> None:
         self.optimizer.untie_embed_head()  # in place: the graphs stay valid
@@ -272,8 +265,8 @@ class EagerOptimizer(_OptimizerFront):
         super().__init__(optimizer)
         self.reason = reason
 
-    def step(self, step: int, lr_scale: float, momentum: float | None = None) -> None:
-        self.optimizer.step(step, lr_scale, momentum)
+    def step(self, step: int, lr_scale: float, momentum: float, adam_step: bool) -> None:
+        self.optimizer.step(step, lr_scale, momentum, adam_step)
 
     def seal(self) -> None:
         pass
@@ -290,10 +283,11 @@ class OptimizerGraphs(_OptimizerFront):
     Built once after the optimizer (make_optimizer_graphs); train_step calls step() every step."""
 
     def __init__(self, optimizer, config: OptimizerGraphsConfig | None = None, *,
-                 num_steps: int | None = None, untie_step: int | None = None,
+                 plans: Sequence[StepPlan] | None = None, untie_step: int | None = None,
                  backend: GraphBackend | None = None, device: torch.device | None = None):
-        """num_steps / untie_step (the run's, as train_step unties): seal() then demands every
-        cadence of the run and warmup_visits() covers them; None: only the cadences seen."""
+        """plans (the schedule's plan of every step of the run) / untie_step (the run's, as
+        train_step unties): seal() then demands every cadence of the run and warmup_visits()
+        covers them; None: only the cadences seen."""
         super().__init__(optimizer)
         if optimizer.world_size > 1:
             raise ValueError(f"OptimizerGraphs: world size {optimizer.world_size} > 1 keeps the "
@@ -305,8 +299,8 @@ class OptimizerGraphs(_OptimizerFront):
         self.names = {b.param: b.name for b in optimizer.banks}
         self.names.update((a.param, a.name) for a in optimizer.adam_by_param.values())
         self.untie_step = untie_step
-        self.step_cadences = None if num_steps is None else step_cadences(optimizer, num_steps,
-                                                                          untie_step)
+        self.step_cadences = None if plans is None else step_cadences(optimizer, plans, untie_step)
+        num_steps = None if plans is None else len(plans)
         self.captured: dict[Cadence, CapturedCadence] = {}
         self.stats: dict[Cadence, CadenceStats] = {}
         self.grad_inputs: dict[nn.Parameter, Tensor] = {}  # "stage": the owned gradient buffers
@@ -317,12 +311,13 @@ class OptimizerGraphs(_OptimizerFront):
 
     # ---- per step ----
 
-    def step(self, step: int, lr_scale: float, momentum: float | None = None) -> None:
+    def step(self, step: int, lr_scale: float, momentum: float, adam_step: bool) -> None:
         """write_step_values (eager) -> replay run_step (capture it on a cadence's first warmup
-        visit, self-check on its second) -> zero_grad(step) (eager)."""
+        visit, self-check on its second) -> zero_grad(adam_step) (eager). The arguments are
+        AnvilAndAdam.step's: the plan's lr_mul, momentum and adam_step."""
         opt = self.optimizer
-        cadence = live_cadence(opt, step)
-        opt.write_step_values(step, lr_scale, momentum)  # host half: before the replay reads it
+        cadence = live_cadence(opt, adam_step)
+        opt.write_step_values(lr_scale, momentum, adam_step)  # host half: before the replay reads it
         cap = self.captured.get(cadence)
         if cap is None:
             # Captures are warmup-only: after seal() a missing graph is fatal, never a silent eager step.
@@ -337,7 +332,7 @@ class OptimizerGraphs(_OptimizerFront):
             else:
                 cap.graph.replay()
                 self.stats[cadence].replays += 1
-        opt.zero_grad(step)
+        opt.zero_grad(adam_step)
 
     def _grad_params(self, cadence: Cadence) -> list[nn.Parameter]:
         """Parameters whose p.grad run_step reads: the banks, plus on Adam steps every Adam
@@ -471,7 +466,7 @@ class OptimizerGraphs(_OptimizerFront):
         cap.checked = True
 
     def seal(self) -> None:
-        """After warmup: every cadence seen, and every cadence of the run (given num_steps), has a
+        """After warmup: every cadence seen, and every cadence of the run (given plans), has a
         checked capture; afterwards a cadence without one is fatal."""
         expected = dict.fromkeys(self.step_cadences or ())
         missing = [str(c) for c in expected if c not in self.captured]
@@ -487,7 +482,7 @@ class OptimizerGraphs(_OptimizerFront):
         self.sealed = True
 
     def warmup_visits(self, visits: Iterable[int]) -> list[int]:
-        """The visits plus the steps cover_cadences adds (unchanged without num_steps)."""
+        """The visits plus the steps cover_cadences adds (unchanged without plans)."""
         if self.step_cadences is None:
             return list(visits)
         return cover_cadences(visits, self.step_cadences, self.untie_step)
@@ -540,7 +535,7 @@ def _relative_errors(replayed: list[Tensor], eager: list[Tensor], before: list[T
 
 
 def make_optimizer_graphs(optimizer, config: OptimizerGraphsConfig, *,
-                          num_steps: int | None = None, untie_step: int | None = None,
+                          plans: Sequence[StepPlan] | None = None, untie_step: int | None = None,
                           backend: GraphBackend | None = None,
                           device: torch.device | None = None) -> OptimizerGraphs | EagerOptimizer:
     """mode "off" -> EagerOptimizer; "on" / "check" -> OptimizerGraphs, except where the step cannot
@@ -560,5 +555,5 @@ def make_optimizer_graphs(optimizer, config: OptimizerGraphsConfig, *,
     if backend is None and optimizer.step_values.values.device.type != "cuda":
         raise ValueError("optimizer graphs need CUDA parameters (or the CPU stand-in backend in "
                          "tests); pass --graphs off")
-    return OptimizerGraphs(optimizer, config, num_steps=num_steps, untie_step=untie_step,
+    return OptimizerGraphs(optimizer, config, plans=plans, untie_step=untie_step,
                            backend=backend, device=device)

@@ -28,10 +28,11 @@ schedule at every forward) and the three YaRN attention scales (re-checked at ev
 Gradients: the captured backward writes each gradient into its own pool buffer, rewritten by the
 next replay of that key; no AccumulateGrad runs. GradHandoff (grad_handoff.py, shared with the
 eager twin) sets p.grad from them: ANVIL banks take the graph's buffer, Adam parameters (and
-ANVIL banks under gradient accumulation) a persistent accumulator, by the optimizer's cadence.
-The n-gram sink gradient is held by the store until its update event, up to MAX_CYCLE_STEPS
-steps, so a non-event micro-step's copy goes to a private slot of the NgramGradRing
-(hold_ngram_grad).
+ANVIL banks under gradient accumulation) a persistent accumulator, copied or added by the
+schedule's plan (StepPlan.adam_first, the plans given at construction). The n-gram sink gradient
+is held by the store until its update event, up to MAX_CYCLE_STEPS steps (ngram_ring_slots =
+NgramStore.max_held gradients), so a non-event micro-step's copy goes to a private slot of the
+NgramGradRing (hold_ngram_grad).
 
 Call order per micro-step: step_runner.py (StepGraphs and EagerStep, eager_step.py, are both a
 StepRunner). After warmup: post-warmup reset, census compared, runner.seal().
@@ -49,7 +50,7 @@ must survive -O).
 Provenance: record #360 (ANVIL2) `_CGraphRunner` (fwd/bwd, `_acc`, `_sink_flat` ring,
 `_selfcheck_now`, `seal`), via shared/reference/step_graphs_seed.py. Deviations from the seed: the
 device calls go through a GraphBackend (CPU stand-in for tests); Adam accumulation follows the
-cadence, not `p.grad is None`; micro-steps (gradient accumulation) are supported; the n-gram ring
+plan, not `p.grad is None`; micro-steps (gradient accumulation) are supported; the n-gram ring
 is sized from the sink gradient's width (the table's row width) and allocated at the first
 capture in its dtype; seal() also checks that every key produces gradients for the same
 parameters; per-key capture/replay statistics (capture_report); no host run-ahead throttle (every
@@ -68,14 +69,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from track_1_short.constants import MAX_CYCLE_STEPS
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import (
     CudaGraphBackend, GraphBackend, StepGraphError, loss_grads, paused_gc, warm_up)
@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from track_1_short.ngram_table import NgramTable
     from track_1_short.optim.anvil import AnvilAndAdam
     from track_1_short.perf.value_embed_pull import ValueEmbedPull
+    from track_1_short.schedule import StepPlan
 
 __all__ = ["GRAPH_MODES", "SELF_CHECK_ABS", "SELF_CHECK_GRAD_REL", "SELF_CHECK_REL", "EagerStep",
            "GradHandoff", "StepGraphError", "StepGraphs", "StepGraphsConfig", "StepRunner",
@@ -170,14 +171,14 @@ class StepGraphs:
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, max_step_tokens: int, *,
-                 adam_every: int, grad_accum_steps: int = 1, config: StepGraphsConfig | None = None,
-                 backend: GraphBackend | None = None, device: torch.device | None = None,
-                 ngram_ring_slots: int = MAX_CYCLE_STEPS):
+                 plans: Sequence[StepPlan], micro_steps: int, ngram_ring_slots: int,
+                 config: StepGraphsConfig | None = None, backend: GraphBackend | None = None,
+                 device: torch.device | None = None):
         self.model = model  # the compiled GPT
         self.config = config or StepGraphsConfig()
         self.params = list(optimizer.param_cfgs)
         self.param_names = {p: name for name, p in model.named_parameters()}
-        self.handoff = GradHandoff(optimizer.param_cfgs, adam_every, grad_accum_steps)
+        self.handoff = GradHandoff(optimizer.param_cfgs, plans, micro_steps)
         self.step_keys = list(step_keys)  # step -> key, for every training step
         self.ngram_table = ngram_table
         self.value_embeds = value_embeds
@@ -411,16 +412,15 @@ class StepGraphs:
 
 def make_step_runner(config: StepGraphsConfig, *, model: nn.Module, optimizer: AnvilAndAdam,
                      step_keys: list[StepGraphKey], ngram_table: NgramTable,
-                     value_embeds: ValueEmbedPull, max_step_tokens: int, adam_every: int,
-                     grad_accum_steps: int = 1, device: torch.device | None = None,
-                     backend: GraphBackend | None = None,
-                     ngram_ring_slots: int = MAX_CYCLE_STEPS) -> StepRunner:
-    """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `ngram_ring_slots`: most n-gram
-    gradients held at once (ngram_cycle * grad_accum_steps micro-steps)."""
+                     value_embeds: ValueEmbedPull, max_step_tokens: int, plans: Sequence[StepPlan],
+                     micro_steps: int, ngram_ring_slots: int, device: torch.device | None = None,
+                     backend: GraphBackend | None = None) -> StepRunner:
+    """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `plans`: the schedule's plan of
+    every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps);
+    `ngram_ring_slots`: most n-gram gradients held at once (NgramStore.max_held)."""
     if config.mode == "off":
-        return EagerStep(model, optimizer, step_keys, ngram_table, value_embeds,
-                         adam_every=adam_every, grad_accum_steps=grad_accum_steps,
-                         ngram_ring_slots=ngram_ring_slots)
+        return EagerStep(model, optimizer, step_keys, ngram_table, value_embeds, plans=plans,
+                         micro_steps=micro_steps, ngram_ring_slots=ngram_ring_slots)
     return StepGraphs(model, optimizer, step_keys, ngram_table, value_embeds, max_step_tokens,
-                      adam_every=adam_every, grad_accum_steps=grad_accum_steps, config=config,
-                      backend=backend, device=device, ngram_ring_slots=ngram_ring_slots)
+                      plans=plans, micro_steps=micro_steps, ngram_ring_slots=ngram_ring_slots,
+                      config=config, backend=backend, device=device)

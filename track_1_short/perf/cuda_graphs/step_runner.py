@@ -84,7 +84,7 @@ def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens
                   ngram_slots: Tensor, cfg: ForwardScheduleConfig, ngram_sink: Tensor,
                   value_embed_grad: Tensor, grad_scale: float = 1.0) -> Tensor:
     """THE step loss (0-d): the single definition run by the capture, the warm iterations, the
-    self-check and the eager twin. grad_scale = 1 / grad_accum_steps (a constant of the run): with
+    self-check and the eager twin. grad_scale = 1 / micro_steps (a constant of the run): with
     the optimizer's AVG over ranks, every world size then sees the mean over the step's slices."""
     return model(inputs, targets, cum_seqlens, ngram_slots, cfg, ngram_sink=ngram_sink,
                  value_embed_grad=value_embed_grad).sum() * grad_scale
