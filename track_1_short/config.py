@@ -38,6 +38,9 @@ MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 
 @dataclass(slots=True, kw_only=True)
 class DataConfig:
+    """Concern: where the tokens come from and how they are batched (shards, global batch,
+    validation size and capacity)."""
+
     data_dir: Path = Path("data/embedded")  # *_train_*.bin / *_val_*.bin shards (prepare.py)
     seed: int = 0  # document order per epoch
     shuffle: bool = True  # seeded document order per epoch (False: file order, like the record)
@@ -65,6 +68,9 @@ class DataConfig:
 
 @dataclass(slots=True, kw_only=True)
 class TrainConfig:
+    """Concern: how this run is executed and recorded (device, compile, optimizer choice, steps,
+    checkpoints, run dir, profiling); nothing here changes the model's math."""
+
     seed: int = 1337  # model init (identical on every rank)
     device: str = "auto"  # auto: cuda if available, else cpu
     compile: bool = True  # torch.compile(fullgraph=True, dynamic=False) the model
@@ -126,6 +132,9 @@ class TrainConfig:
 
 @dataclass(slots=True, kw_only=True)
 class RunConfig:
+    """Concern: the whole run's configuration tree (one per run), validated across its parts
+    when built; written to the run dir as config.json."""
+
     preset: str
     model: GPTConfig
     schedule: ScheduleConfig

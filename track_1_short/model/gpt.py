@@ -93,6 +93,11 @@ def rms_norm(x: Tensor) -> Tensor:
 
 
 class GPT(nn.Module):
+    """Concern: the model's single-device math (the forward and the eval CE) and the state it
+    reads (parameters, YaRN tables, the prefix table, the n-gram lookup's cache). Systems
+    concerns (dtype casts, fp8, the fused loss, compile, graphs) are applied from outside
+    (trainer/build.py)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         c = self.config = config

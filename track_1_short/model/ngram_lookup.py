@@ -45,6 +45,10 @@ _M_CUR, _M_PREV, _M_PREV2 = 36313, 27191, 51497
 
 
 class NgramLookup(nn.Module):
+    """Concern: the model side of the n-gram embedding (tensor ops only): hashing contexts into
+    row ids and signs, the row cache the forward gathers from, and the gradient sinks. Who owns
+    the rows and updates them is perf/ngram_store.NgramStore's concern."""
+
     def __init__(self, cfg: NgramConfig):
         super().__init__()
         self.cfg = cfg

@@ -44,6 +44,9 @@ class _PullRows(torch.autograd.Function):
 
 
 class ValueEmbedPull(nn.Module):
+    """Concern: the value-embedding tables and their row gather, whose backward adds into a
+    persistent gradient buffer (grad_accum) instead of a dense table gradient."""
+
     def __init__(self, num_tables: int, vocab_size: int, dim: int, init_std: float = 0.01,
                  grad_dtype: torch.dtype | None = None):
         super().__init__()

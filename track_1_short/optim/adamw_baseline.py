@@ -22,6 +22,8 @@ from track_1_short.optim.anvil_config import ParamConfig
 
 
 class AdamWBaseline:
+    """Concern: the AdamW baseline behind the trainer's optimizer interface (single process)."""
+
     def __init__(self, named_parameters, lr: float, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95)):
         params = [p for _, p in named_parameters]

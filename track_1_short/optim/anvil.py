@@ -162,7 +162,9 @@ class AdamShard:
 
 
 class AnvilAndAdam:
-    """See the module docstring. Built once in main(), after the model is on its device."""
+    """Concern: the optimizer's state and its step (sharding, comm order, the update math it
+    calls); see the module docstring. Built once by trainer/build.py, after the model is on its
+    device."""
 
     def __init__(self, param_cfgs: dict[nn.Parameter, ParamConfig], cfg: AnvilConfig,
                  process_group=None, *, names: dict[nn.Parameter, str] | None = None,

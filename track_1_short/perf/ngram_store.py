@@ -114,6 +114,10 @@ def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class NgramStore(nn.Module):
+    """Concern: the n-gram table as state of the training system: this rank's rows and their
+    sparse Adam moments, the row pull into the lookup's cache, the held sink gradients and the
+    update events that apply them."""
+
     def __init__(self, lookup: NgramLookup, *, cycle: int, micro_steps: int):
         """`cycle`: steps between update events (ScheduleConfig.ngram_cycle); `micro_steps`: held
         gradients per step (RunSpec.micro_steps). Both only bound the held gradients."""

@@ -46,6 +46,8 @@ class RunDirError(ValueError):
 
 @dataclass(slots=True)
 class RunDir:
+    """Concern: one claimed run dir (its lock, and whether this process created it)."""
+
     path: Path
     created: bool  # this process made the dir (release(remove=True) may delete it)
     lock_file: IO | None

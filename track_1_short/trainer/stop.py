@@ -37,6 +37,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class GracefulStop:
+    """Concern: turning SIGTERM / SIGINT into a stop at the next checkpoint boundary, agreed by
+    every rank (the module docstring)."""
+
     def __init__(self, ctx: DistributedContext):
         self.ctx = ctx
         self.signum: int | None = None  # the first signal received

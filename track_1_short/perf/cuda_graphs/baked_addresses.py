@@ -45,6 +45,8 @@ class CensusEntry:
 
 @dataclass(slots=True)
 class Census:
+    """Concern: the set of baked addresses at one moment, by role (compared as a contract)."""
+
     entries: dict[str, CensusEntry] = field(default_factory=dict)  # role -> entry
 
     def add(self, role: str, tensor: Tensor) -> None:

@@ -279,8 +279,9 @@ class EagerOptimizer(_OptimizerFront):
 
 
 class OptimizerGraphs(_OptimizerFront):
-    """AnvilAndAdam with run_step replayed from a CUDA graph per cadence (see the module docstring).
-    Built once after the optimizer (make_optimizer_graphs); train_step calls step() every step."""
+    """Concern: the optimizer's device half as CUDA graphs, one per cadence, with their capture,
+    replay and self-checks (see the module docstring). Built once after the optimizer
+    (make_optimizer_graphs); train_step calls step() every step."""
 
     def __init__(self, optimizer, config: OptimizerGraphsConfig | None = None, *,
                  plans: Sequence[StepPlan] | None = None, untie_step: int | None = None,

@@ -166,8 +166,9 @@ class _InFlight:
 
 
 class StepGraphs:
-    """The training step's forward and backward graphs. Created in main() (make_step_runner); used
-    by train_step for every step, warmup and timed: forward(), backward(), hold_ngram_grad()."""
+    """Concern: the training step's forward and backward as CUDA graphs, one pair per key, with
+    their capture, replay and self-checks. Created by trainer/build.py (make_step_runner); used by
+    train_step for every step, warmup and timed: forward(), backward(), hold_ngram_grad()."""
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, max_step_tokens: int, *,
