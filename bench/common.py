@@ -34,7 +34,7 @@ import torch
 
 from track_1_short import config as config_mod
 from track_1_short.atomic_io import write_json_atomic
-from track_1_short.constants import BOS_ID, GPT2_VOCAB
+from track_1_short.model.tokens import BOS_ID, GPT2_VOCAB
 from track_1_short.data import Batch
 from track_1_short.model.gpt import ForwardScheduleConfig
 from track_1_short.model.gpt_config import GPTConfig

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench.common import command  # noqa: E402
 from track_1_short.atomic_io import write_json_atomic  # noqa: E402
-from track_1_short.constants import BOS_ID  # noqa: E402
+from track_1_short.model.tokens import BOS_ID  # noqa: E402
 from track_1_short.distributed import destroy_distributed, init_distributed  # noqa: E402
 from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
 from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402

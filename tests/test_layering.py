@@ -4,10 +4,11 @@
 
 - no import cycle among the package's modules (TYPE_CHECKING-only imports are not edges here: they
   never run);
-- `model/` imports only `model/`, the torch-free constants module, the standard library and torch
-  (TYPE_CHECKING imports count: a type from above the model is still a dependency on it);
-- config modules (`config.py`, every `*_config.py`, `schedule.py`, `constants.py`) import no
-  runtime module of the package, only each other; `constants.py` imports nothing at all.
+- `model/` imports only `model/`, the standard library and torch (TYPE_CHECKING imports count: a
+  type from above the model is still a dependency on it);
+- config modules (`config.py`, every `*_config.py`, `schedule.py`, the constants modules
+  `constants.py` and `model/tokens.py`) import no runtime module of the package, only each other;
+  the constants modules import nothing at all.
 
 The checker is run on the real package and on small synthetic packages written to tmp_path, one
 with every kind of violation planted (each must be reported) and one without (none may be). Last,
@@ -24,8 +25,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "track_1_short"
-CONFIG_MODULES = ("config", "schedule", "constants")  # plus every *_config module
-CONSTANTS = "constants"
+CONSTANTS = ("constants", "model.tokens")  # import nothing
+CONFIG_MODULES = ("config", "schedule", *CONSTANTS)  # plus every *_config module
 MODEL = "model"
 MODEL_EXTERNAL = {"torch"}  # besides the standard library
 
@@ -154,16 +155,16 @@ def check_layering(root: Path, package: str) -> list[str]:
     """Every violation of the three rules, one message each (empty: the layering holds)."""
     edges = import_edges(root, package)
     problems = [f"import cycle: {' -> '.join(cycle)}" for cycle in _find_cycles(edges)]
-    model, constants = f"{package}.{MODEL}", f"{package}.{CONSTANTS}"
+    model, constants = f"{package}.{MODEL}", {f"{package}.{c}" for c in CONSTANTS}
     for e in edges:
         where = f"{e.source} line {e.line} imports {e.target}"
         if e.source == model or e.source.startswith(model + "."):
-            inside = e.target == model or e.target.startswith(model + ".") or e.target == constants
+            inside = e.target == model or e.target.startswith(model + ".")
             if e.internal and not inside:
                 problems.append(f"model/ imports outside model/: {where}")
             if not e.internal and e.target not in MODEL_EXTERNAL | sys.stdlib_module_names:
                 problems.append(f"model/ imports a third-party module: {where}")
-        if e.source == constants:
+        if e.source in constants:
             problems.append(f"the constants module imports something: {where}")
         if _is_config(e.source, package) and e.internal and not _is_config(e.target, package):
             problems.append(f"config module imports a runtime module: {where}")
@@ -199,7 +200,8 @@ CLEAN = {
     "pkg/config.py": "from pkg.model.net_config import NetConfig\nfrom pkg import schedule\n",
     "pkg/schedule.py": "from pkg.constants import BOS\n",
     "pkg/model/__init__.py": "",
-    "pkg/model/net_config.py": "import dataclasses\nimport torch\nfrom pkg.constants import BOS\n",
+    "pkg/model/tokens.py": "BOS = 1\n",
+    "pkg/model/net_config.py": "import dataclasses\nimport torch\nfrom pkg.model.tokens import BOS\n",
     "pkg/model/net.py": "import math\nimport torch\nfrom . import net_config\n"
                         "from .net_config import NetConfig\n",
     "pkg/runtime.py": "from pkg.model.net import *\nfrom pkg.config import *\n",
@@ -230,6 +232,8 @@ def test_checker_catches_planted_violations(tmp_path):
         "pkg/config.py": "from pkg.runtime import Store\n",
         "pkg/model/net_config.py": "from pkg.model.net import Net\n",
         "pkg/constants.py": "import os\n",
+        # model/ importing the systems constants module (outside model/)
+        "pkg/model/uses_constants.py": "from pkg.constants import BOS\n",
     })
     problems = "\n".join(check_layering(tmp_path, "pkg"))
     expected = [
@@ -241,6 +245,7 @@ def test_checker_catches_planted_violations(tmp_path):
         "config module imports a runtime module: pkg.config line 1 imports pkg.runtime",
         "config module imports a runtime module: pkg.model.net_config line 1 imports pkg.model.net",
         "the constants module imports something: pkg.constants line 1 imports os",
+        "model/ imports outside model/: pkg.model.uses_constants line 1 imports pkg.constants",
     ]
     missing = [e for e in expected if e not in problems]
     assert not missing, f"not reported: {missing}\nreported:\n{problems}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from track_1_short.constants import BOS_ID
+from track_1_short.model.tokens import BOS_ID
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig, GPTConfig
 from track_1_short.model.loss import softcap
 from track_1_short.model.ngram_config import NgramConfig

@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from track_1_short.constants import BOS_ID
+from track_1_short.model.tokens import BOS_ID
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs

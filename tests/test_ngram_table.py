@@ -9,7 +9,7 @@ Hardware: CPU only, < 10 s. Run: `.venv/bin/python -m pytest tests/test_ngram_ta
 import pytest
 import torch
 
-from track_1_short.constants import BOS_ID
+from track_1_short.model.tokens import BOS_ID
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import SIGN_ROWS, NgramLookup
 from track_1_short.perf.ngram_store import NgramStore

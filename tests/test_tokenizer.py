@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from track_1_short import tokenizer
-from track_1_short.constants import GPT2_VOCAB
+from track_1_short.model.tokens import GPT2_VOCAB
 
 
 def test_hello_world_and_eot():

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from track_1_short.constants import BOS_ID, GPT2_VOCAB, REFERENCE_WORLD_SIZE
+from track_1_short.constants import REFERENCE_WORLD_SIZE
+from track_1_short.model.tokens import BOS_ID, GPT2_VOCAB
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1

@@ -46,7 +46,11 @@ left held.
 import math
 from dataclasses import dataclass
 
-from track_1_short.constants import BLOCK_TOKENS, MAX_CYCLE_STEPS
+from track_1_short.constants import MAX_CYCLE_STEPS
+
+
+
+from track_1_short.model.tokens import BLOCK_TOKENS
 
 
 @dataclass(slots=True, kw_only=True)

@@ -14,7 +14,7 @@ How it finds the BPE, in order (the first that exists wins; nothing here touches
 Provenance: shared reference embedded_data.md (checked by hand with no network).
 
 Invariants the rest of the package relies on: "Hello world" -> [15496, 995]; `<|endoftext|>` ->
-50256 (= constants.BOS_ID, one before each document).
+50256 (= model/tokens.BOS_ID, one before each document).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import tiktoken
 
-from track_1_short.constants import BOS_ID
+from track_1_short.model.tokens import BOS_ID
 
 EOT_TOKEN = "<|endoftext|>"
 EOT_ID = BOS_ID  # the end-of-text token is the BOS placed before every document

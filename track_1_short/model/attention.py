@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from track_1_short.constants import BLOCK_TOKENS
+from track_1_short.model.tokens import BLOCK_TOKENS
 from track_1_short.model.gpt_config import BACKENDS
 
 BLOCK = BLOCK_TOKENS  # FlexAttention tile (query and key) in tokens

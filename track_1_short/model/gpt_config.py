@@ -8,7 +8,7 @@ cpu-tiny preset's model.
 
 from dataclasses import dataclass, field
 
-from track_1_short.constants import PADDED_VOCAB
+from track_1_short.model.tokens import PADDED_VOCAB
 from track_1_short.model.fp8_config import Fp8Config
 from track_1_short.model.ngram_config import NgramConfig
 

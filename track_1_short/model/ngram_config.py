@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from track_1_short.constants import BOS_ID, PADDED_VOCAB
+from track_1_short.model.tokens import BOS_ID, PADDED_VOCAB
 
 NGRAM_DIM = 768  # the speedrun's row width (= model dim)
 
