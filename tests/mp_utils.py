@@ -42,3 +42,21 @@ def single_thread(fn, *args):
         return fn(*args)
     finally:
         torch.set_num_threads(threads)
+
+
+def rerun_in_child(request, timeout_s: float = 600) -> bool:
+    """For a test that leaves its process unusable for later tests (a failed CUDA graph capture
+    leaves the CUDA generator in capture state: the next torch.randn on the device raises "Offset
+    increment outside graph capture"): in the test process, run this one test in a child pytest
+    and return True (the caller returns); in the child, return False (the caller runs its body)."""
+    import subprocess
+    import sys
+
+    if os.environ.get("T1S_TEST_CHILD") == "1":
+        return False
+    env = dict(os.environ, T1S_TEST_CHILD="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or not gpu",
+                           request.node.nodeid], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, cwd=str(request.config.rootpath))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return True

@@ -7,7 +7,8 @@ for 50 steps on the embedded corpus, three runs in one process:
   3. graphs on, resumed from run 1's checkpoint.
 Checks: train loss of 1 and 2 within 1e-2 at every step and the final val loss within 1e-2; run 3's
 losses within 1e-3 of run 1's for the first RESUME_EXACT_STEPS steps after the resume and within
-2e-3 after that, its final val loss within 1e-3; no compile during any timed run.
+2e-3 after that, its final val loss within 1e-2 (26 nondeterministic steps later: measured 3.8e-3
+on 2026-12-01); no compile during any timed run.
 
 Why not 1e-3 at every step: training on the GPU is not bitwise reproducible (atomic adds in
 backward kernels), and the difference grows with the steps. Measured on the H200 (2026-11-30,
@@ -85,7 +86,10 @@ def test_resume_continues_the_run(runs):
         bar = 1e-3 if s < RESUME_AT + RESUME_EXACT_STEPS else 2e-3
         assert abs(resumed["losses"][s] - on["losses"][s]) <= bar, \
             f"step {s}: resumed {resumed['losses'][s]} vs uninterrupted {on['losses'][s]} (bar {bar})"
-    assert abs(resumed["summary"]["final_val_loss"] - on["summary"]["final_val_loss"]) <= 1e-3
+    # The final validation comes 26 nondeterministic steps after the resume: 3.8e-3 apart on the
+    # H200 (2026-12-01, fused loss, compiled optimizer), the drift graphs on vs off shows too; the
+    # steps right after the resume keep the 1e-3 bar, the exact check is the deterministic test.
+    assert abs(resumed["summary"]["final_val_loss"] - on["summary"]["final_val_loss"]) <= 1e-2
 
 
 @pytest.fixture(scope="module")
