@@ -10,7 +10,8 @@ tokens, the 16-GPU regime where the host dominates), in ONE process on one GPU:
                      cudagraph_mark_step_begin() + training_loss + loss_grads + GradHandoff
   Runners use a real AnvilAndAdam for param_cfgs (world size 1, micro_steps 1) and a step_keys
   list with 2 steps per key, whose cadences are the preset schedule's plans of those step numbers
-  (an Adam window's copy and add; the n-gram hold alternates ring copy / event as in the trainer). Graphs: every key is visited twice (capture, then self-check), then seal().
+  (an Adam window's copy and add; the n-gram gradient's accumulation into the store is not in
+  this bench: bench/step.py times it in the real step). Graphs: every key is visited twice (capture, then self-check), then seal().
 - wall ms per step = host time over --steps steps with a synchronize at both ends / steps (what
   the user sees); median / p10 / p90 from CUDA events at step boundaries;
 - kernel ms per step from a torch.profiler run of another --steps steps (CUDA activity: summed
@@ -73,7 +74,7 @@ class StepBench:
         self.compiled = m if args.smoke else torch.compile(m, fullgraph=True, dynamic=False)
         self.specs = common.select_specs(args.keys, args.smoke, args.half_key)
         self.inputs, self.fwd_cfg, self.first_step, self.step_keys = {}, {}, {}, []
-        # fills the lookup's row cache (a zero table); its bound sizes the runners' n-gram ring
+        # fills the lookup's row cache (a zero table)
         self.store = store = NgramStore(m.ngram_table, cycle=self.cfg.schedule.ngram_cycle,
                                         micro_steps=1)
         for spec in self.specs:
@@ -95,7 +96,7 @@ class StepBench:
             model=self.compiled, optimizer=self.optimizer, step_keys=self.step_keys,
             ngram_table=self.model.ngram_table, value_embeds=self.model.value_embeds,
             max_step_tokens=max(k.tokens for k in self.step_keys), plans=self.plans,
-            micro_steps=1, ngram_ring_slots=self.store.max_held, device=self.device,
+            micro_steps=1, device=self.device,
             backend=RecordingGraphBackend() if self.args.smoke else None)
 
     def _step_of(self, spec, i: int) -> int:
@@ -108,10 +109,7 @@ class StepBench:
             batch, slots, _ = self.inputs[spec.name][i % 2]
             plan = self.plans[step]
             runner.forward(step, batch, slots, self.fwd_cfg[spec.name])
-            ngram_grad = runner.backward()
-            # held gradients so far in this n-gram cycle (one micro-step per step)
-            held = self.schedule.ngram_steps_held(step)
-            runner.hold_ngram_grad(ngram_grad, held, plan.ngram_event)
+            runner.backward()
             self.optimizer.zero_grad(plan.adam_step)  # host-only: drops p.grad as optimizer.step ends
         return fn
 

@@ -4,9 +4,8 @@ Scope: all 1285 steps of the speedrun schedule (`Schedule(ScheduleConfig())`, th
 `trainer/build.make_spec`), at the micro-step counts of 1, 2 and 8 ranks (8, 4 and 1 micro-steps
 per rank), run through the real `trainer/step.train_step` with the real consumers on tiny tensors:
 AnvilAndAdam (one ANVIL bank, a replicated and a table Adam parameter; eager, and captured per
-cadence by OptimizerGraphs over the CPU stand-in backend), GradHandoff and
-NgramGradRing inside a stand-in runner (its backward hands over integer-valued gradients, so copy
-vs add is checked exactly), NgramStore (its rows pulled once per stand-in batch: the row pull is
+cadence by OptimizerGraphs over the CPU stand-in backend), GradHandoff inside a stand-in runner
+(its backward hands over integer-valued gradients, so copy vs add is checked exactly), NgramStore (its rows pulled once per stand-in batch: the row pull is
 no cadence consumer), checkpoint.aligned.
 Per step it checks that
 - the optimizer receives plan.momentum (its StepValues) and updates the Adam parameters exactly on
@@ -15,9 +14,10 @@ Per step it checks that
   the optimizer reads always holds the gradients summed since the last Adam step (derived here from
   plan.adam_step, not adam_first);
 - the n-gram store's update events are exactly the plan.ngram_event steps, it never holds more than
-  its bound (cycle x micro-steps, the runner's ring size) and reaches it exactly on the last
-  micro-step before each regular event (the last step's forced event holds one step's), and what
-  it holds at an event is every micro-step's gradient since the last one (ring copies intact);
+  its bound (cycle x micro-steps) and reaches it exactly on the last micro-step before each
+  regular event (the last step's forced event holds one step's), and what its row accumulator
+  holds at an event is the sum of every micro-step's gradient since the last one (each read
+  before the runner's next backward overwrote its buffer);
 - checkpoint.aligned after the step is exactly "nothing held": no Adam gradient kept (p.grad) and
   no held n-gram gradient; those boundaries are the multiples of the schedule's checkpoint_period.
 Hardware: CPU only, a few seconds per micro-step count.
@@ -37,10 +37,9 @@ from track_1_short.distributed import DistributedContext
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.optim.anvil import AnvilAndAdam, AnvilConfig, build_param_cfgs
-from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend, StepGraphError
 from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
-from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, NgramGradRing
+from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.trainer import checkpoint
 from track_1_short.trainer.build import make_spec
@@ -49,8 +48,6 @@ from track_1_short.trainer.step import train_step
 from track_1_short.trainer.timing import StepTimer
 
 T, DIM = 4, 4  # tokens per micro-batch, n-gram row width
-KEY = StepGraphKey(tokens=T, cu_seqlens_rows=2, mtp_targets=1, ws_short=128, ws_long=128,
-                   max_seq_len=T)
 
 
 class _Model(nn.Module):
@@ -101,29 +98,37 @@ class _Loader:
 
 
 class _Store(NgramStore):
-    """The real store, recording what it holds when each update event runs."""
+    """The real store, recording the gradients it was handed and what it holds at each event."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
+        self.handed: list[float] = []  # values of the gradients held since the last event
         self.events: dict[int, list[float]] = {}  # step -> the held gradients' values at its event
 
+    def hold(self, ngram_grad, ids):
+        self.handed.append(ngram_grad[0, 0].item())
+        super().hold(ngram_grad, ids)
+
     def update_event(self, step: int, lr_scale: float = 1.0):
-        self.events[step] = [g[0, 0].item() for g in self.held.grads]
+        # each held gradient is one constant [2T, D] tensor: the accumulator sums them whole
+        expected = sum(self.handed) * 2 * T * DIM
+        assert self.grad_acc.sum().item() == expected, \
+            f"step {step}: the row accumulator does not hold the sum of the held gradients"
+        self.events[step], self.handed = self.handed, []
         super().update_event(step, lr_scale)
+        assert not self.grad_acc.any() and not self.touched.any(), step
 
 
 class _Runner:
-    """The runner's cadence-bearing parts are real (GradHandoff, NgramGradRing); the compiled
-    forward and backward are replaced by integer-valued gradients, so sums are exact. Each backward
-    checks the accumulators against the window the plan implies: Adam's restarts after every
-    plan.adam_step step, ANVIL's (micro-steps > 1) at every step. The n-gram sink gradient is
-    written into one buffer that the next backward overwrites, as a graph's memory is, and each
-    value is unique, so a held gradient that was not copied to the ring shows at the event."""
+    """The runner's cadence-bearing part is real (GradHandoff); the compiled forward and backward
+    are replaced by integer-valued gradients, so sums are exact. Each backward checks the
+    accumulators against the window the plan implies: Adam's restarts after every plan.adam_step
+    step, ANVIL's (micro-steps > 1) at every step. The n-gram sink gradient is written into one
+    buffer that the next backward overwrites, as a graph's memory is, and each value is unique, so
+    a store that kept the buffer instead of reading it shows at the event."""
 
-    def __init__(self, optimizer: AnvilAndAdam, plans, micro_steps: int, ring_slots: int):
+    def __init__(self, optimizer: AnvilAndAdam, plans, micro_steps: int):
         self.handoff = GradHandoff(optimizer.param_cfgs, plans, micro_steps)
-        self.ring = NgramGradRing(ring_slots, T)
-        self.ring.adopt(KEY, torch.zeros(2 * T, DIM))
         self.plans, self.micro_steps = plans, micro_steps
         self.params = [(p, c.optim == "adam") for p, c in optimizer.param_cfgs.items()]
         self.window = {p: torch.zeros_like(p) for p, _ in self.params}  # expected p.grad
@@ -151,9 +156,6 @@ class _Runner:
         self.produced.append((step, value))
         return self.ngram_grad.fill_(value)
 
-    def hold_ngram_grad(self, ngram_grad, pending, event_this_step):
-        return self.ring.hold(ngram_grad, pending, event_this_step)
-
 
 def _build(micro_steps: int, graphs: str, tmp_path):
     cfg = config_mod.preset("speedrun")
@@ -166,7 +168,7 @@ def _build(micro_steps: int, graphs: str, tmp_path):
     store = _Store(NgramLookup(NgramConfig(dim=DIM, bigram_rows=16, trigram_rows=16,
                                            cache_rows=2 * T)),
                    cycle=cfg.schedule.ngram_cycle, micro_steps=spec.micro_steps)
-    runner = _Runner(optimizer, spec.plans, spec.micro_steps, store.max_held)
+    runner = _Runner(optimizer, spec.plans, spec.micro_steps)
     loader = _Loader(store)
     # as prepare_model wraps it: EagerOptimizer (--graphs off) or OptimizerGraphs (on; the CPU
     # stand-in backend), both fed the plan's cadence by train_step
@@ -184,7 +186,6 @@ def test_every_consumer_follows_the_plan(micro_steps, graphs, tmp_path):
     plans, opt, store, model = spec.plans, parts.optimizer.optimizer, parts.ngram, parts.model
     assert len(plans) == spec.schedule.num_steps == 1285 and spec.micro_steps == micro_steps
     assert store.max_held == spec.schedule.cfg.ngram_cycle * micro_steps
-    assert len(parts.runner.ring.slots) == store.max_held
     adam = [model.scalars, model.embed.weight]
     timer = StepTimer(torch.device("cpu"))
     held_after = []  # nothing held after step s: no kept Adam gradient, no held n-gram gradient
@@ -220,7 +221,7 @@ def test_every_consumer_follows_the_plan(micro_steps, graphs, tmp_path):
         assert len(held) == expected, f"step {step}: {len(held)} held at the event, not {expected}"
         first = step - spec.schedule.ngram_steps_held(step)  # the cycle's first step
         assert held == [v for s, v in produced if first <= s <= step], \
-            f"step {step}: a held n-gram gradient was overwritten (not copied to the ring)"
+            f"step {step}: the gradients held at the event are not those produced since the last"
     assert max(len(held) for held in store.events.values()) == store.max_held
     assert checkpoint.aligned(plans, 0)
     for steps_done in range(1, len(plans) + 1):
@@ -232,7 +233,7 @@ def test_every_consumer_follows_the_plan(micro_steps, graphs, tmp_path):
 
 
 def test_a_missed_event_is_caught():
-    """A consumer that skips an event of the plan fails loudly, at the store and at the ring."""
+    """A consumer that skips an event of the plan fails loudly at the store."""
     store = NgramStore(NgramLookup(NgramConfig(dim=DIM, bigram_rows=16, trigram_rows=16,
                                                cache_rows=2 * T)), cycle=2, micro_steps=4)
     ids = store.lookup.row_ids(torch.arange(T, dtype=torch.int32))
@@ -240,10 +241,6 @@ def test_a_missed_event_is_caught():
         store.hold(torch.zeros(2 * T, DIM), ids)
     with pytest.raises(RuntimeError, match="9 held n-gram gradients > cycle 2 x micro_steps 4"):
         store.hold(torch.zeros(2 * T, DIM), ids)
-    ring = NgramGradRing(store.max_held, T)
-    ring.adopt(KEY, torch.zeros(2 * T, DIM))
-    with pytest.raises(StepGraphError, match="8 n-gram gradients already held"):
-        ring.hold(torch.zeros(2 * T, DIM), store.max_held, False)
 
 
 def test_handoff_rejects_steps_outside_its_plans():

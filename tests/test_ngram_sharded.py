@@ -7,8 +7,8 @@ the per-slice sink gradients, the updated table rows, the Adam state and the val
 one process gets with 8 micro-steps (float64 n-gram path: 1e-12; float32 value embeds: 1e-5), over
 6 steps with 3 update events, with the row ids of every next micro-batch prefetched between
 "forward" and "backward" (so step s+1's ids are exchanged before step s's event: the test that the
-row payload is not stale). Also: addresses of the row cache, sinks, ring slots, master slice, Adam
-state and grad_accum across steps, events and a reset; bad inputs (token id >= vocab, batch larger
+row payload is not stale). Also: addresses of the row cache, sinks, the row accumulator, master slice,
+Adam state and grad_accum across steps, events and a reset; bad inputs (token id >= vocab, batch larger
 than the cache, world size not dividing the rows) raise ValueError naming the value; RowPrefetch on
 one rank; the bench/row_prefetch.py --smoke mode.
 Hardware: CPU only, spawns processes (~30 s on 2 cores).
@@ -97,7 +97,7 @@ def _micro_loss(lookup: NgramLookup, model: _Model, slots, inputs, index: int, s
 
 
 def train(rank: int, world_size: int, group=None) -> dict:
-    """STEPS steps of 8/W micro-steps with row prefetch, ring-held gradients, events, then a reset."""
+    """STEPS steps of 8/W micro-steps with row prefetch, held gradients, events, then a reset."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
     table = _store(_cfg(), micro_steps)
@@ -108,13 +108,12 @@ def train(rank: int, world_size: int, group=None) -> dict:
     model = _Model()
     opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), AnvilConfig())
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
-    ring = [torch.zeros(2 * T, DIM, dtype=torch.float64) for _ in range(table.max_held)]
     prefetch, loader = RowPrefetch(table), LookaheadLoader(_Loader(rank, micro_steps))
     out = {"loss": {}, "grad": {}, "ptrs": []}
 
     def ptrs():
         return [t.data_ptr() for t in (lookup.cache, table.table, table.exp_avg, table.exp_avg_sq,
-                                       lookup.grad_sink(T), model.value_embeds.grad_accum, *ring)]
+                                       lookup.grad_sink(T), model.value_embeds.grad_accum, table.grad_acc)]
 
     for step in range(STEPS):
         plan = SCHEDULE.plan(step)
@@ -129,9 +128,8 @@ def train(rank: int, world_size: int, group=None) -> dict:
             grad, sink.grad = sink.grad, None
             out["loss"][(step, index)] = ngram_loss.item()
             out["grad"][(step, index)] = grad * micro_steps
-            if not (event and micro == micro_steps - 1):
-                grad = ring[table.num_pending].copy_(grad)  # as StepGraphs.hold_ngram_grad
             table.hold(grad, ids)
+            grad.fill_(float("nan"))  # as a graph's next replay rewrites it: hold has read it
         opt.step(step, 1.0 - 0.1 * step, plan.momentum, plan.adam_step)
         if event:
             table.update_event(step, lr_scale=1.0 - 0.1 * step)

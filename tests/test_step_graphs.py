@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from track_1_short.constants import MAX_CYCLE_STEPS
 from track_1_short.data import Batch
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys, warmup_visit_plan
 from track_1_short.perf.cuda_graphs.capture_support import (
@@ -223,20 +222,17 @@ class Harness:
             config, model=self.model, optimizer=FakeOptimizer(self.model), step_keys=self.keys,
             ngram_table=self.model.ngram, value_embeds=self.value_embeds,
             max_step_tokens=MAX_TOKENS, plans=TINY_PLANS, micro_steps=micro_steps,
-            ngram_ring_slots=MAX_CYCLE_STEPS,  # the largest ring a schedule may need
             backend=(BakingBackend(self.model) if hasattr(model_cls, "in_graph")
                      else RecordingGraphBackend()))
 
     def step(self, step: int, seed: int | None = None, micro_step: int = 0, **batch_kw):
-        """One train_step's runner calls; returns (loss value, held n-gram gradient)."""
+        """One train_step's runner calls; returns (loss value, the n-gram gradient as read right
+        after the backward, as NgramStore.hold reads it)."""
         plan = TINY.plan(step)
         batch, slots = make_batch(plan, step * 100 + micro_step if seed is None else seed, **batch_kw)
         loss = self.runner.forward(step, batch, slots, make_cfg(plan), micro_step=micro_step)
         value = loss.item()  # the graph's loss is overwritten by the next replay: read it now
-        ngram_grad = self.runner.backward()
-        pending = TINY.ngram_steps_held(step)  # gradients already held in this n-gram cycle
-        held = self.runner.hold_ngram_grad(ngram_grad, pending, plan.ngram_event)
-        return value, held
+        return value, self.runner.backward().clone()
 
     def warmup_and_seal(self):
         for step in warmup_visit_plan(TINY):
@@ -321,20 +317,19 @@ def test_micro_steps_accumulate_anvil_grads():
         h.step(0, micro_step=2)
 
 
-def test_ngram_ring_slot_choice_and_bound():
+def test_ngram_gradient_is_the_graph_buffer_until_the_next_replay():
+    """backward() hands out the key's own buffer (no copy); the next replay of the key rewrites
+    it, which is why NgramStore.hold sums it into the row accumulator at once."""
     h = Harness()
-    _, held_event = h.step(1)  # odd step: update event consumes the graph buffer directly
+    h.step(1)
     cs = h.runner.captured[h.keys[1]]
-    assert held_event is cs.ngram_grad
-    _, held = h.step(2)  # even step: held in ring slot 0
-    assert held.data_ptr() == h.runner.ngram_ring.slots[0].data_ptr()
-    assert held.shape == (2 * 16, D)
-    kept = held.clone()
-    h.step(3)  # the replay overwrites the graph's buffer, not the ring slot
-    assert torch.equal(held, kept) and not torch.equal(cs.ngram_grad, kept)
-    assert len(h.runner.ngram_ring.slots) == 8
-    with pytest.raises(StepGraphError, match="8 n-gram gradients already held"):
-        h.runner.hold_ngram_grad(cs.ngram_grad, 8, False)
+    plan = TINY.plan(3)
+    batch, slots = make_batch(plan, 300)
+    h.runner.forward(3, batch, slots, make_cfg(plan))
+    kept = cs.ngram_grad.clone()
+    assert h.runner.backward() is cs.ngram_grad and cs.ngram_grad.shape == (2 * 16, D)
+    h.step(3, seed=7)  # the same key, another batch: the replay rewrites the buffer
+    assert not torch.equal(cs.ngram_grad, kept)
 
 
 def test_seal_missing_and_unchecked_keys_are_fatal():
@@ -465,10 +460,6 @@ def test_eager_twin_matches_graphs():
             if pg.grad is not None:
                 torch.testing.assert_close(pg.grad, pe.grad, msg=name)
     torch.testing.assert_close(graphs.value_embeds.grad_accum, eager.value_embeds.grad_accum)
-    bounded = EagerStep(eager.model, FakeOptimizer(eager.model), eager.keys, eager.model.ngram,
-                        eager.value_embeds, plans=TINY_PLANS, micro_steps=1, ngram_ring_slots=3)
-    with pytest.raises(StepGraphError, match="3 n-gram gradients already held"):
-        bounded.hold_ngram_grad(held_e, 3, False)
 
 
 def test_config_validation():
@@ -506,7 +497,7 @@ def test_static_roles_in_baked_tensors():
     h.step(0)
     roles = [role for role, _ in h.runner.baked_tensors()]
     assert "value_embeds.grad_accum" in roles and "ngram_table.sinks[16]" in roles
-    assert "ngram_grad_ring[7]" in roles and "grad_accumulator[embed]" in roles
+    assert "grad_accumulator[embed]" in roles  # (no n-gram ring: the store reads the sink gradient)
     tag = "step_graph" + str(tuple(h.keys[0]))
     assert {f"{tag}.{f}" for f in ("inputs", "targets", "cum_seqlens", "ngram_slots",
                                    "mtp_weights", "prefix_weight")} <= set(roles)
@@ -542,7 +533,7 @@ def test_real_tiny_gpt_contract_on_cpu():
             optimizer=optimizer, step_keys=keys, ngram_table=model.ngram_table,
             value_embeds=model.value_embeds, max_step_tokens=128,
             plans=[schedule.plan(s) for s in range(schedule.num_steps)], micro_steps=1,
-            ngram_ring_slots=store.max_held, backend=RecordingGraphBackend())
+            backend=RecordingGraphBackend())
         for step in (0, 1):
             plan = schedule.plan(step)
             batch, _ = make_batch(plan, step)
@@ -552,8 +543,7 @@ def test_real_tiny_gpt_contract_on_cpu():
                 ws_short=plan.ws_short, ws_long=plan.ws_long, train_max_seq_len=plan.max_seq_len)
             loss = runner.forward(step, batch, store.slots_for(batch.inputs), cfg)
             losses.setdefault(step, []).append(loss.item())
-            runner.hold_ngram_grad(runner.backward(), schedule.ngram_steps_held(step),
-                                   plan.ngram_event)
+            runner.backward()
         runner.seal()
         losses.setdefault("qk_grad", []).append(model.qk_bank.grad.clone())
     assert losses[0][0] == pytest.approx(losses[0][1], rel=1e-5)

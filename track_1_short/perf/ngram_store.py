@@ -30,28 +30,34 @@ CPU; gloo supports it for int64/float64/float32/bfloat16 with uneven splits in t
   before step s+1's slots_for, whatever phase A did earlier (tested across events in
   test_ngram_sharded.py).
 
-Held gradients (`hold`): one per micro-step until the next update event. The bound is built at
-construction from the schedule's cycle and the run's micro-steps (`NgramStore(lookup, cycle=
-ScheduleConfig.ngram_cycle, micro_steps=RunSpec.micro_steps)`): `max_held = cycle x micro_steps`,
-exactly reached on the last micro-step of a (non-final) event step, and the size of the step
-graphs' ring (trainer/build.py passes `max_held` to it). A hold past it is a RuntimeError: an
-event the plan has (StepPlan.ngram_event) was skipped.
+Held gradients (`hold(grad [2T, R], ids [2T])`, right after each backward): summed at once into
+a dense row accumulator `grad_acc` [ROWS, R] (index_add_) and the rows flagged in `touched`
+[ROWS], so the sink gradient is read before the next backward replay rewrites the graph's buffer
+(no copy, no ring; the accumulator is 2.3 GB at the speedrun's table, the ring it replaced held
+cycle x micro-steps gradients, 4.8 GB at stage C). The bound is built at construction from the
+schedule's cycle and the run's micro-steps (`NgramStore(lookup, cycle=ScheduleConfig.ngram_cycle,
+micro_steps=RunSpec.micro_steps)`): `max_held = cycle x micro_steps`, exactly reached on the last
+micro-step of a (non-final) event step. A hold past it is a RuntimeError: an event the plan has
+(StepPlan.ngram_event) was skipped.
 
 Update event (`update_event(step, lr_scale)`, collective, on the schedule's `ngram_event` steps
-after the optimizer): the held (grad [2T, R], ids [2T]) of every micro-step since the last event
-are summed per row locally (unique + index_add), sent to their owners (all_to_all_single of counts,
-ids, rows), the owner sums the contributions of all ranks and divides by W (AVG, as the dense
-parameters' reductions; the loss is scaled by 1 / micro_steps, so W ranks with 8/W micro-steps see
-the mean gradient one rank sees with 8), then runs the SparseAdam formula on the touched owned
-rows. `num_updates` (the bias correction step) counts events and is the same on every rank. W = 1
-refreshes the cache in place from the table; W > 1 leaves the refresh to the next slots_for (which
-refills it in place before any forward reads it; a refresh here would be one more collective per
-event for nothing).
+after the optimizer): SparseAdam's formula on the touched rows, with the accumulated gradient.
+- W = 1 on CUDA: one Triton kernel (kernels/ngram_adam.py) over all rows that skips the untouched
+  ones, reads the step count on the device and zeroes the accumulator behind itself: no host
+  sync, no data-dependent shape.
+- Otherwise (`_event_reference`; the CPU, every W > 1, and the kernel's parity reference): the
+  touched rows are listed (nonzero, a host sync), gathered, and for W > 1 sent to their owners
+  (all_to_all_single of counts, ids, rows); the owner sums the contributions of all ranks and
+  divides by W (AVG, as the dense parameters' reductions; the loss is scaled by 1 / micro_steps,
+  so W ranks with 8/W micro-steps see the mean gradient one rank sees with 8), then updates them.
+`num_updates` (the bias correction step) counts events and is the same on every rank. No event
+refreshes the row cache: slots_for refills cache[:2T] from the table before every forward.
 
 What must stay stable: nothing here is baked into a graph (the cache and the sinks are the
-lookup's). The table slice and the Adam state are buffers updated in place after shard(); the
-trainer checkpoints `state_dict()` (table, exp_avg, exp_avg_sq: this rank's rows; num_updates)
-per rank, beside the model's.
+lookup's). The table slice, the Adam state and the accumulator are buffers updated in place after
+shard(); the trainer checkpoints `state_dict()` (table, exp_avg, exp_avg_sq: this rank's rows;
+num_updates) per rank, beside the model's, at boundaries where nothing is held (the accumulator
+is zero there, so it is not saved).
 
 Call order per micro-step (train.py; see perf/row_prefetch.py for the prefetching form):
 ids = lookup.row_ids(inputs); slots = slots_for(inputs, ids) (eager, before the forward,
@@ -63,19 +69,13 @@ Legend: T tokens, R row width, N held n-grams (sum of 2T), U unique rows, W worl
 requested from this rank.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from track_1_short.model.ngram_lookup import NgramLookup
-
-
-@dataclass(slots=True)
-class _Held:
-    grads: list[Tensor] = field(default_factory=list)  # [2T, R] each (caller-owned memory)
-    ids: list[Tensor] = field(default_factory=list)  # [2T] each
 
 
 @dataclass(slots=True)
@@ -104,6 +104,11 @@ def _exchange(send: Tensor, send_counts: list[int], recv_counts: list[int], grou
     work = dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=group,
                                   async_op=async_op)
     return recv, work
+
+
+def _event_kernel():
+    from track_1_short.kernels.ngram_adam import sparse_adam_rows  # Triton: CUDA hosts only
+    return sparse_adam_rows
 
 
 def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -136,9 +141,16 @@ class NgramStore(nn.Module):
         self.register_buffer("exp_avg", torch.zeros(rows_dim, dtype=state_dtype, device=device))
         self.register_buffer("exp_avg_sq", torch.zeros(rows_dim, dtype=state_dtype, device=device))
         self.register_buffer("num_updates", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("cache_ids", torch.zeros(cfg.cache_rows, dtype=torch.int64, device=device),
-                             persistent=False)  # [cache_rows] table row held by each cache row
-        self.held = _Held()
+        # The held gradients, summed per row as they arrive: [ROWS, R] over the whole table (also
+        # when sharded: a micro-batch touches any row) and the rows' touched flags [ROWS].
+        self.register_buffer("grad_acc", torch.zeros(rows_dim, dtype=state_dtype, device=device),
+                             persistent=False)
+        self.register_buffer("touched", torch.zeros(cfg.num_rows, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.pending = 0  # micro-step gradients in grad_acc since the last event
+        # The event's kernel on one CUDA rank (kernels/ngram_adam.py; Triton is imported only on
+        # CUDA hosts); None runs the reference. Tests set it to compare the two.
+        self.event_kernel = _event_kernel() if device.type == "cuda" else None
         self.rank, self.world_size, self.group = 0, 1, None
         self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
 
@@ -202,7 +214,6 @@ class NgramStore(nn.Module):
         ids = lookup.row_ids(inputs) if ids is None else ids
         n = ids.numel()
         lookup.check_capacity(n)
-        self.cache_ids[:n].copy_(ids)
         if self.world_size == 1:
             lookup.cache[:n].copy_(self.table[ids])
         else:
@@ -217,23 +228,26 @@ class NgramStore(nn.Module):
 
     @property
     def num_pending(self) -> int:
-        return len(self.held.ids)
+        """Micro-step gradients accumulated since the last update event."""
+        return self.pending
 
     @property
     def max_held(self) -> int:
-        """Most gradients held at once: cycle x micro_steps (the step graphs' ring has this many slots)."""
+        """Most micro-step gradients between two events: cycle x micro_steps."""
         return self.cycle * self.micro_steps
 
+    @torch.no_grad()
     def hold(self, ngram_grad: Tensor, ids: Tensor):
-        """Keep one micro-step's sink gradient [2T, R] and its row ids [2T] until the update event.
-        The caller must not overwrite ngram_grad before then (StepGraphs.hold_ngram_grad copies it)."""
-        # The step graphs' ring has max_held slots; one more held gradient would alias a live one
-        # (an explicit raise: this guard must survive python -O).
-        if self.num_pending >= self.max_held:
-            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > cycle {self.cycle} x "
+        """Add one micro-step's sink gradient [2T, R] into the row accumulator at its row ids [2T]
+        and mark the rows touched. Reads ngram_grad now (the caller may overwrite it after: the
+        next backward replay does)."""
+        # An explicit raise (must survive python -O): an event of the plan was skipped.
+        if self.pending >= self.max_held:
+            raise RuntimeError(f"{self.pending + 1} held n-gram gradients > cycle {self.cycle} x "
                                f"micro_steps {self.micro_steps}; an update event was missed")
-        self.held.grads.append(ngram_grad)
-        self.held.ids.append(ids)
+        self.grad_acc.index_add_(0, ids, ngram_grad.to(self.grad_acc.dtype))  # [ROWS, R]
+        self.touched.index_fill_(0, ids, 1)  # [ROWS]
+        self.pending += 1
 
     def _to_owners(self, rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Collective: [U] global rows + [U, R] grads -> this rank's touched rows (local indices,
@@ -246,7 +260,7 @@ class NgramStore(nn.Module):
 
     def _adam_rows(self, local: Tensor, g: Tensor, lr_scale: float):
         """SparseAdam on slice rows `local` [U] with gradient g [U, R] (eps added to sqrt(v) before
-        bias correction, as torch.optim.SparseAdam)."""
+        bias correction, as torch.optim.SparseAdam). The reference of kernels/ngram_adam.py."""
         cfg = self.cfg
         t = int(self.num_updates)
         m = self.exp_avg[local].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
@@ -257,29 +271,40 @@ class NgramStore(nn.Module):
         update = m / (v.sqrt() + cfg.eps) * step_size
         self.table[local] = (self.table[local].to(update.dtype) - update).to(self.table.dtype)
 
+    def _event_reference(self, lr_scale: float):
+        """The event by gathers and scatters (host syncs on the touched rows and the step count):
+        the CPU path, every W > 1 (the rows go to their owners), and the kernel's reference."""
+        rows = self.touched.nonzero().squeeze(1)  # [U] sorted global rows
+        g = self.grad_acc[rows]  # [U, R]
+        self.grad_acc.index_fill_(0, rows, 0)
+        self.touched.index_fill_(0, rows, 0)
+        if self.world_size > 1:
+            rows, g = self._to_owners(rows, g)
+        self._adam_rows(rows, g, lr_scale)
+
     @torch.no_grad()
     def update_event(self, step: int, lr_scale: float = 1.0):
         """Sparse (lazy) Adam on the rows touched since the last event (collective when W > 1: the
-        row gradients go to their owners first); W == 1 then refreshes the cache in place."""
-        if not self.held.ids:
+        row gradients go to their owners first). On one CUDA rank one kernel, no host sync
+        (kernels/ngram_adam.py). The row cache is not refreshed: slots_for refills it from the
+        table before every forward."""
+        if not self.pending:
             raise RuntimeError(f"step {step}: n-gram update event with no held gradients")
-        ids = torch.cat(self.held.ids)  # [N]
-        grads = torch.cat(self.held.grads).to(self.exp_avg.dtype)  # [N, R]
-        rows, g = _sum_duplicates(ids, grads)  # [U], [U, R]
-        if self.world_size > 1:
-            rows, g = self._to_owners(rows, g)
         self.num_updates += 1
-        self._adam_rows(rows, g, lr_scale)
-        self.held.grads.clear()
-        self.held.ids.clear()
-        if self.world_size == 1:
-            self.lookup.cache.copy_(self.table[self.cache_ids])
+        if self.world_size == 1 and self.event_kernel is not None:
+            cfg = self.cfg
+            self.event_kernel(self.table, self.exp_avg, self.exp_avg_sq, self.grad_acc, self.touched,
+                              self.num_updates, lr=cfg.lr * lr_scale, beta1=cfg.beta1,
+                              beta2=cfg.beta2, eps=cfg.eps)
+        else:
+            self._event_reference(lr_scale)
+        self.pending = 0
 
     @torch.no_grad()
     def reset(self):
-        """Initial state in place: zero table slice (HEAD's init), Adam state and cache ids; nothing
+        """Initial state in place: zero table slice (HEAD's init), Adam state, accumulator; nothing
         held. Sharding and every address are kept (the lookup's reset() zeroes the cache)."""
-        for buf in (self.table, self.exp_avg, self.exp_avg_sq, self.num_updates, self.cache_ids):
+        for buf in (self.table, self.exp_avg, self.exp_avg_sq, self.num_updates, self.grad_acc,
+                    self.touched):
             buf.zero_()
-        self.held.grads.clear()
-        self.held.ids.clear()
+        self.pending = 0

@@ -32,7 +32,7 @@ Call order (train_step; one micro-step; the trainer uses LookaheadLoader to see 
     prefetch.issue(loader)                             # ids of the next micro-batch (phase A),
                                                        # hides under the forward/backward replays
     ngram_grad = runner.backward()
-    ngram.hold(runner.hold_ngram_grad(ngram_grad, ngram.num_pending, event and last), ids)
+    ngram.hold(ngram_grad, ids)
   after the last micro-step: optimizer.step(...); if event: ngram.update_event(step, lr_mul)
 
 Provenance: facts 4.3 (HEAD, @classiclarryd's sparse bigram comms); our design, DESIGN.md section 4.

@@ -169,7 +169,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
                               max_step_tokens=max(k.tokens for k in keys), plans=spec.plans,
-                              micro_steps=spec.micro_steps, ngram_ring_slots=ngram.max_held,
+                              micro_steps=spec.micro_steps,
                               device=device, backend=graph_backend)
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,

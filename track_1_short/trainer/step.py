@@ -41,9 +41,7 @@ def train_step(spec: RunSpec, parts: StepParts, step: int, loader: LookaheadLoad
         total += loss  # loss may be graph memory: accumulate before the next replay
         parts.prefetch.issue(loader)  # next micro-batch's row-id exchange, hidden under the backward
         ngram_grad = runner.backward()
-        last = micro == spec.micro_steps - 1
-        held = runner.hold_ngram_grad(ngram_grad, ngram.num_pending, plan.ngram_event and last)
-        ngram.hold(held, ids)
+        ngram.hold(ngram_grad, ids)  # summed into the store's row accumulator before the next replay
     timer.mark(step, "micro_steps")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     parts.optimizer.step(step, plan.lr_mul, plan.momentum, plan.adam_step)

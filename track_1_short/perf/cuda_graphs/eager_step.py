@@ -6,9 +6,8 @@ What it replaces: a second copy of the training step for runs without graphs. Wh
 `--graphs off` is the baseline graphs are measured against (bench/step_graphs.py, the small-gpu
 on/off runs), so the two must differ only in how the forward and backward launch.
 
-What must stay stable: nothing is baked; backward() returns fresh gradients the caller owns, so
-hold_ngram_grad copies nothing (it still enforces the ring bound, so a missed update event fails
-the same way as under graphs). baked_tensors() is empty and seal() does nothing.
+What must stay stable: nothing is baked; backward() returns fresh gradients the caller owns.
+baked_tensors() is empty and seal() does nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 
 from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import StepGraphError, loss_grads
-from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, check_ngram_pending
+from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff
 from track_1_short.perf.cuda_graphs.step_runner import check_key, training_loss
 
 if TYPE_CHECKING:
@@ -38,14 +37,13 @@ class EagerStep:
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, *,
-                 plans: Sequence[StepPlan], micro_steps: int, ngram_ring_slots: int):
+                 plans: Sequence[StepPlan], micro_steps: int):
         self.model = model
         self.params = list(optimizer.param_cfgs)
         self.handoff = GradHandoff(optimizer.param_cfgs, plans, micro_steps)
         self.step_keys = list(step_keys)
         self.ngram_table = ngram_table
         self.value_embeds = value_embeds
-        self.ngram_ring_slots = ngram_ring_slots
         self.in_flight: tuple[int, int, Tensor, Tensor] | None = None
 
     def forward(self, step: int, batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig, *,
@@ -70,12 +68,6 @@ class EagerStep:
         self.handoff.hand_over(step, micro_step,
                                [(p, g) for p, g in zip(self.params, grads) if g is not None])
         return grads[-1]
-
-    def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """No copy needed (backward() returned a fresh tensor); the ring bound is still enforced."""
-        if not event_this_step:
-            check_ngram_pending(pending, self.ngram_ring_slots)
-        return ngram_grad
 
     def seal(self) -> None:
         pass

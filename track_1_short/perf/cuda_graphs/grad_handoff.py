@@ -1,5 +1,5 @@
-"""Gradient handoff after a backward (GradHandoff) and the n-gram gradient ring (NgramGradRing):
-who owns each gradient a backward produced, and until when. Shared by StepGraphs and its eager
+"""Gradient handoff after a backward (GradHandoff): who owns each gradient a backward produced,
+and until when. Shared by StepGraphs and its eager
 twin EagerStep, so p.grad means the same with graphs on and off.
 
 Gradients (GradHandoff): the captured backward writes each gradient into its own pool buffer,
@@ -12,17 +12,15 @@ every other micro-step, so the cadence is the plan's (not `p.grad is None`, whic
 optimizer keeps .grad, and not a second `step % adam_every`). With micro_steps > 1 (fewer than 8
 GPUs) ANVIL banks get persistent accumulators as well (copy on micro-step 0 of every step).
 
-The n-gram ring (NgramGradRing): the sink gradient is held by the n-gram store until its update
-event, up to MAX_CYCLE_STEPS steps (NgramStore.max_held = cycle x micro-steps gradients, the
-ring's size), so under graphs a non-event micro-step's gradient is copied to a private ring slot
-before the next replay rewrites the graph's buffer. Flat slots of [2 * max_step_tokens * D],
-allocated at the first capture in the sink gradient's dtype (D is the store's row width, read
-from that gradient); each key views its own [2T, D] prefix.
+The n-gram sink gradient needs no handoff: the store adds it into its row accumulator right after
+the backward, before the next replay rewrites the graph's buffer (perf/ngram_store.NgramStore.hold);
+check_ngram_grad checks its shape at capture.
 
-What must stay address-stable: the accumulators and the ring slots (StepGraphs.baked_tensors()
-lists both; the census compares them around the post-warmup reset).
+What must stay address-stable: the accumulators (StepGraphs.baked_tensors() lists them; the census
+compares them around the post-warmup reset).
 
-Provenance: record #360 `_CGraphRunner` (`_acc`, `_sink_flat` ring), via the seed.
+Provenance: record #360 `_CGraphRunner` (`_acc`), via the seed; its `_sink_flat` ring is not
+needed here (the store sums each micro-step's n-gram gradient at once).
 Legend: T tokens of a key, D n-gram row width.
 """
 
@@ -100,45 +98,9 @@ class GradHandoff:
             torch._foreach_add_([acc for acc, _ in adds], [g for _, g in adds])
 
 
-def check_ngram_pending(pending: int, ring_slots: int) -> None:
-    if not 0 <= pending < ring_slots:
-        raise StepGraphError(f"{pending} n-gram gradients already held, ring has {ring_slots} "
-                             f"slots (cycle x micro-steps): an n-gram update event of the plan "
-                             f"(StepPlan.ngram_event) was missed")
-
-
-class NgramGradRing:
-    """Ring slots for the n-gram sink gradients a store holds past the next backward replay."""
-
-    __slots__ = ("num_slots", "max_step_tokens", "slots")
-
-    def __init__(self, num_slots: int, max_step_tokens: int):
-        self.num_slots = num_slots  # most gradients held at once (NgramStore.max_held)
-        self.max_step_tokens = max_step_tokens
-        self.slots: list[Tensor] = []  # each [2 * max_step_tokens * D], allocated by adopt()
-
-    def adopt(self, key: StepGraphKey, ngram_grad: Tensor | None) -> None:
-        """Check a captured key's sink gradient [2T, D] and size the ring from the first one (D is
-        the store's row width, read from the sink the lookup allocated, so tiny configs work)."""
-        if ngram_grad is None or ngram_grad.dim() != 2 or ngram_grad.shape[0] != 2 * key.tokens:
-            shape = None if ngram_grad is None else tuple(ngram_grad.shape)
-            raise StepGraphError(f"key {key}: n-gram sink gradient has shape {shape}, expected "
-                                 f"[{2 * key.tokens}, D]; the forward must add grad_sink(T)")
-        if self.slots and self.slots[0].dtype != ngram_grad.dtype:
-            raise StepGraphError(f"key {key}: n-gram sink gradient dtype {ngram_grad.dtype} != "
-                                 f"ring dtype {self.slots[0].dtype}")
-        if not self.slots:
-            numel = 2 * self.max_step_tokens * ngram_grad.shape[1]
-            self.slots = [torch.empty(numel, dtype=ngram_grad.dtype, device=ngram_grad.device)
-                          for _ in range(self.num_slots)]
-
-    def hold(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """The graph's own buffer if this step's update event consumes it before the next replay,
-        else a copy in ring slot `pending` (owned here, rewritten when slot `pending` is used again
-        in a later cycle)."""
-        if event_this_step:
-            return ngram_grad
-        check_ngram_pending(pending, len(self.slots))
-        slot = self.slots[pending][:ngram_grad.numel()].view_as(ngram_grad)
-        slot.copy_(ngram_grad)
-        return slot
+def check_ngram_grad(key: StepGraphKey, ngram_grad: Tensor | None) -> None:
+    """A captured key's n-gram sink gradient must be [2T, D] (the forward added grad_sink(T))."""
+    if ngram_grad is None or ngram_grad.dim() != 2 or ngram_grad.shape[0] != 2 * key.tokens:
+        shape = None if ngram_grad is None else tuple(ngram_grad.shape)
+        raise StepGraphError(f"key {key}: n-gram sink gradient has shape {shape}, expected "
+                             f"[{2 * key.tokens}, D]; the forward must add grad_sink(T)")

@@ -20,7 +20,7 @@ What must stay address-stable (a replay reads and writes the addresses the captu
 - every parameter's .data and every model buffer (fp8 scales, YaRN tables, n-gram row
   cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks, the model's
   lookup), value_embeds' gradient buffer (ValueEmbedPull.grad_accum), and the persistent gradient
-  accumulators and n-gram ring (grad_handoff.py) owned here.
+  accumulators (grad_handoff.py) owned here.
 baked_addresses.py censuses all of them (baked_tensors() reads them live from their owners) before
 and after the post-warmup reset. Python values the capture froze: the key (checked against the
 schedule at every forward) and the three YaRN attention scales (re-checked at every replay).
@@ -30,9 +30,8 @@ next replay of that key; no AccumulateGrad runs. GradHandoff (grad_handoff.py, s
 eager twin) sets p.grad from them: ANVIL banks take the graph's buffer, Adam parameters (and
 ANVIL banks under gradient accumulation) a persistent accumulator, copied or added by the
 schedule's plan (StepPlan.adam_first, the plans given at construction). The n-gram sink gradient
-is held by the store until its update event, up to MAX_CYCLE_STEPS steps (ngram_ring_slots =
-NgramStore.max_held gradients), so a non-event micro-step's copy goes to a private slot of the
-NgramGradRing (hold_ngram_grad).
+is the graph's buffer too: the store adds it into its row accumulator right after backward()
+(NgramStore.hold), before the next replay rewrites it, so nothing is copied or kept here.
 
 Call order per micro-step: step_runner.py (StepGraphs and EagerStep, eager_step.py, are both a
 StepRunner). After warmup: post-warmup reset, census compared, runner.seal().
@@ -50,9 +49,8 @@ must survive -O).
 Provenance: record #360 (ANVIL2) `_CGraphRunner` (fwd/bwd, `_acc`, `_sink_flat` ring,
 `_selfcheck_now`, `seal`), via shared/reference/step_graphs_seed.py. Deviations from the seed: the
 device calls go through a GraphBackend (CPU stand-in for tests); Adam accumulation follows the
-plan, not `p.grad is None`; micro-steps (gradient accumulation) are supported; the n-gram ring
-is sized from the sink gradient's width (the table's row width) and allocated at the first
-capture in its dtype; seal() also checks that every key produces gradients for the same
+plan, not `p.grad is None`; micro-steps (gradient accumulation) are supported; no n-gram ring
+(the store accumulates each sink gradient at once, perf/ngram_store.py); seal() also checks that every key produces gradients for the same
 parameters; per-key capture/replay statistics (capture_report); no host run-ahead throttle (every
 pinned ring is event-guarded); no sampled softmax: the seed's `candidates` key field, its
 `cfg.sampled_loss` identity check and its candidate buffers in baked_tensors() are gone, because
@@ -80,7 +78,7 @@ from track_1_short.perf.cuda_graphs.capture_plan import StepGraphKey
 from track_1_short.perf.cuda_graphs.capture_support import (
     CudaGraphBackend, GraphBackend, StepGraphError, loss_grads, paused_gc, warm_up)
 from track_1_short.perf.cuda_graphs.eager_step import EagerStep
-from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, NgramGradRing
+from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, check_ngram_grad
 from track_1_short.perf.cuda_graphs.graphs_config import (
     GRAPH_MODES, SELF_CHECK_ABS, SELF_CHECK_GRAD_REL, SELF_CHECK_REL, StepGraphsConfig)
 from track_1_short.perf.cuda_graphs.step_runner import StepRunner, check_key, live_key, training_loss
@@ -168,11 +166,11 @@ class _InFlight:
 class StepGraphs:
     """Concern: the training step's forward and backward as CUDA graphs, one pair per key, with
     their capture, replay and self-checks. Created by trainer/build.py (make_step_runner); used by
-    train_step for every step, warmup and timed: forward(), backward(), hold_ngram_grad()."""
+    train_step for every step, warmup and timed: forward(), backward()."""
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, max_step_tokens: int, *,
-                 plans: Sequence[StepPlan], micro_steps: int, ngram_ring_slots: int,
+                 plans: Sequence[StepPlan], micro_steps: int,
                  config: StepGraphsConfig | None = None, backend: GraphBackend | None = None,
                  device: torch.device | None = None):
         self.model = model  # the compiled GPT
@@ -193,10 +191,6 @@ class StepGraphs:
         self.unchecked: set[StepGraphKey] = set()
         self.stats: dict[StepGraphKey, KeyStats] = {}
         self.sealed = False
-        # n-gram sink gradients held until the update event: slot i holds pending entry i of the
-        # cycle. Flat [2 * max_step_tokens * D]; each key views its own [2T, D] prefix. Allocated
-        # at the first capture, in the sink gradient's dtype and device.
-        self.ngram_ring = NgramGradRing(ngram_ring_slots, max_step_tokens)
         self.check_steps = (sampled_check_steps(len(self.step_keys), self.config.check_fraction,
                                                 self.config.seed)
                             if self.config.mode == "check" else frozenset())
@@ -279,19 +273,13 @@ class StepGraphs:
         self.handoff.hand_over(flight.step, flight.micro_step, flight.cs.grads)
         return flight.cs.ngram_grad
 
-    def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """The n-gram gradient the store may keep: the graph's own buffer only if this step's update
-        event consumes it before the next replay, else a copy in ring slot `pending` (owned by the
-        ring, rewritten when slot `pending` is used again in a later cycle)."""
-        return self.ngram_ring.hold(ngram_grad, pending, event_this_step)
-
     # ---- capture and checks (warmup only) ----
 
     def _capture(self, key: StepGraphKey, batch: Batch, ngram_slots: Tensor,
                  cfg: ForwardScheduleConfig) -> CapturedStep:
         if key.tokens > self.max_step_tokens:
             raise StepGraphError(f"key {key}: {key.tokens} tokens > max_step_tokens "
-                                 f"{self.max_step_tokens} (the n-gram ring is sized from it)")
+                                 f"{self.max_step_tokens} (the n-gram sink is sized from it)")
         static = StaticInputs(*(t.clone() for t in step_inputs(batch, ngram_slots, cfg)))
         cs = CapturedStep(
             key=key, static=static,
@@ -313,7 +301,7 @@ class StepGraphs:
         # value_embeds' table gets None: its gradient goes to ValueEmbedPull.grad_accum instead.
         cs.grads = [(p, g) for p, g in zip(self.params, pair.grads) if g is not None]
         cs.ngram_grad = pair.grads[-1]
-        self.ngram_ring.adopt(key, cs.ngram_grad)
+        check_ngram_grad(key, cs.ngram_grad)
         self.captured[key] = cs
         self.unchecked.add(key)
         self.stats[key] = KeyStats(
@@ -391,8 +379,6 @@ class StepGraphs:
         yield "value_embeds.grad_accum", self.value_embeds.grad_accum
         for tokens, sink in self.ngram_table.sinks.items():
             yield f"ngram_table.sinks[{tokens}]", sink
-        for i, slot in enumerate(self.ngram_ring.slots):
-            yield f"ngram_grad_ring[{i}]", slot
         for p, acc in self.handoff.accumulators.items():
             yield f"grad_accumulator[{self.param_names.get(p, '?')}]", acc
         for cs in self.captured.values():
@@ -414,14 +400,12 @@ class StepGraphs:
 def make_step_runner(config: StepGraphsConfig, *, model: nn.Module, optimizer: AnvilAndAdam,
                      step_keys: list[StepGraphKey], ngram_table: NgramTable,
                      value_embeds: ValueEmbedPull, max_step_tokens: int, plans: Sequence[StepPlan],
-                     micro_steps: int, ngram_ring_slots: int, device: torch.device | None = None,
+                     micro_steps: int, device: torch.device | None = None,
                      backend: GraphBackend | None = None) -> StepRunner:
     """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `plans`: the schedule's plan of
-    every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps);
-    `ngram_ring_slots`: most n-gram gradients held at once (NgramStore.max_held)."""
+    every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps)."""
     if config.mode == "off":
         return EagerStep(model, optimizer, step_keys, ngram_table, value_embeds, plans=plans,
-                         micro_steps=micro_steps, ngram_ring_slots=ngram_ring_slots)
+                         micro_steps=micro_steps)
     return StepGraphs(model, optimizer, step_keys, ngram_table, value_embeds, max_step_tokens,
-                      plans=plans, micro_steps=micro_steps, ngram_ring_slots=ngram_ring_slots,
-                      config=config, backend=backend, device=device)
+                      plans=plans, micro_steps=micro_steps, config=config, backend=backend, device=device)

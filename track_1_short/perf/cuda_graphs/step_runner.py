@@ -12,7 +12,7 @@ Call order per micro-step (train_step, warmup and timed alike):
     loss = runner.forward(step, batch, ngram_slots, cfg, micro_step=m)
     <row_prefetch id exchange for the next micro-batch>
     ngram_grad = runner.backward()                                   # sets p.grad
-    held = runner.hold_ngram_grad(ngram_grad, pending, event_this_step)
+    ngram.hold(ngram_grad, ids)                                      # read before the next replay
     optimizer phases (read p.grad before the next backward)
 After warmup: post-warmup reset, census of runner.baked_tensors(), runner.seal().
 """
@@ -42,9 +42,6 @@ class StepRunner(Protocol):
 
     def backward(self) -> Tensor:
         """Gradients of the last forward; sets p.grad. Returns the n-gram sink gradient [2T, D]."""
-
-    def hold_ngram_grad(self, ngram_grad: Tensor, pending: int, event_this_step: bool) -> Tensor:
-        """The n-gram gradient the store may keep until its update event."""
 
     def seal(self) -> None:
         """After warmup: from here on a step without a checked capture is fatal."""

@@ -1,0 +1,54 @@
+"""The n-gram event kernel (track_1_short/kernels/ngram_adam.py) on the CPU.
+
+Scope: the kernel cases (tests/ngram_adam_cases.py: the store's event through the kernel against
+its reference, the kernel's input errors) run in a child pytest process with TRITON_INTERPRET=1,
+which must be set before triton is imported and must not leak into this process. Here, without
+the interpreter: a CPU call is a clear error, and a CPU store runs the reference.
+Hardware: CPU (needs triton installed; skipped otherwise); ~20 s.
+Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_ngram_adam.py -q`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from track_1_short.kernels import ngram_adam  # noqa: E402
+from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
+from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
+from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_CASES = 4  # tests in ngram_adam_cases.py (parametrizations included)
+
+
+def test_kernel_cases_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/ngram_adam_cases.py"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, out
+    assert re.search(rf"\b{NUM_CASES} passed\b", proc.stdout), out
+
+
+def test_cpu_store_runs_the_reference_and_a_cpu_kernel_call_is_an_error():
+    store = NgramStore(NgramLookup(NgramConfig(dim=8, bigram_rows=16, trigram_rows=16,
+                                               cache_rows=32)), cycle=1, micro_steps=1)
+    assert store.event_kernel is None  # CUDA stores get the kernel
+    if ngram_adam.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1")
+    with pytest.raises(ValueError, match="runs on CUDA"):
+        ngram_adam.sparse_adam_rows(store.table, store.exp_avg, store.exp_avg_sq, store.grad_acc,
+                                    store.touched, store.num_updates, lr=0.1, beta1=0.9,
+                                    beta2=0.99, eps=1e-8)
+    ids = store.lookup.row_ids(torch.arange(8, dtype=torch.int32))
+    store.hold(torch.ones(16, 8), ids)
+    store.update_event(0)
+    assert store.table[ids].ne(0).all() and not store.touched.any()
