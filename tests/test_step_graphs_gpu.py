@@ -57,8 +57,8 @@ SCHEDULE = Schedule(ScheduleConfig(stages=(
     _stage("D", 2, 1024, 32, (256, 640), 512, ((1.0,), (1.0,)), extension=True),
 )))
 PLANS = [SCHEDULE.plan(step) for step in range(SCHEDULE.num_steps)]
-# the runner's cadences: the plans, one micro-step per step, the n-gram ring of one cycle
-CADENCE = dict(plans=PLANS, micro_steps=1, ngram_ring_slots=SCHEDULE.cfg.ngram_cycle)
+# the runner's cadences: the plans, one micro-step per step
+CADENCE = dict(plans=PLANS, micro_steps=1)
 
 
 class _Optimizer:
@@ -152,9 +152,7 @@ def _run_step(model, runner, step: int, device):
     slots = _slots(model, batch.inputs)
     cfg = _cfg(step, device)
     loss = runner.forward(step, batch, slots, cfg).item()
-    ngram_grad = runner.backward()
-    plan = SCHEDULE.plan(step)
-    runner.hold_ngram_grad(ngram_grad, SCHEDULE.ngram_steps_held(step), plan.ngram_event)
+    runner.backward()
     return batch, slots, cfg, loss
 
 
