@@ -4,8 +4,9 @@ docs/results/host_bound_<machine>_<date>.json.
 
 What it replaces: reading step time against host issue time by hand. With one micro-step per
 step (the per-rank work of 8 GPUs) the GPU has the least work per host call, so this is where
-the host can be the bottleneck and where the step graphs (one replay instead of ~700 launches
-per micro-step) should pay: graphs on vs off per stage answers it. Refused (exit 2): a missing
+the host can be the bottleneck and where the step graphs (one replay instead of ~650 kernel
+launches per micro-step at A: 5,320 per 8-micro-step step, shared/anchor_modded/RESULTS.md) should
+pay: graphs on vs off per stage answers it. Refused (exit 2): a missing
 file, a file of another kind, a stage or variant missing, a run with more than one micro-step.
 
 Output, per stage S in --stages and graphs variant on/off:
