@@ -1,11 +1,14 @@
 """report.compare_runs and its CLI: the graphs on/off comparison the main-job issue asks for.
 
 Scope: synthetic summary.json files (the trainer's keys) in temporary run directories; numbers
-chosen so every ratio and difference is known exactly. Hardware: CPU, < 5 s.
+chosen so every ratio and difference is known exactly. The record's val curve (`--record`) is read
+from tests/fixtures/record_loss/loss.jsonl, the record harness's real output (trimmed). Hardware:
+CPU, < 5 s.
 Run: `.venv/bin/python -m pytest tests/test_report.py -q`.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +99,44 @@ def test_stage_phase_ms_summarises_phases_per_stage():
     assert out["A"]["ngram_update"]["median_ms"] == 20.0
     assert out["A"]["ngram_update"]["mean_ms_per_step"] == 10.0
     assert set(out["B"]) == {"micro_steps"}
+
+
+RECORD_LOSS = Path(__file__).resolve().parent / "fixtures" / "record_loss"  # the harness's loss.jsonl
+
+
+def test_compare_overlays_the_record_val_curve_beside_one_run(tmp_path, capsys):
+    curve = [{"step": 0, "val_loss": 10.8, "train_time_s": 0.0}, {"step": 40, "val_loss": 6.0, "train_time_s": 9.0}]
+    ours = _run_dir(tmp_path, "ours", _summary(100.0, {"A": 300.0}, val_curve=curve))
+    result = report.compare_runs({"ours": ours}, tmp_path / "cmp", record=RECORD_LOSS / "loss.jsonl")
+    rec = result["record"]
+    assert [r["step"] for r in rec["val_curve"]] == [0, 10, 20, 30, 40, 41]
+    assert rec["final_val_loss"] == pytest.approx(6.17502)
+    assert rec["val_curve"][1]["train_time_s"] == pytest.approx(3.59087954)
+    assert result["versus_baseline"] == {}
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["record"]["source"].endswith("loss.jsonl")
+    assert (tmp_path / "cmp" / "val_loss_compare.png").stat().st_size > 0
+    # the CLI: the record's folder is enough, and one --run alone is still refused
+    assert report.main(["compare", "--run", f"ours={ours}", "--record", str(RECORD_LOSS),
+                        "--out", str(tmp_path / "cli")]) == 0
+    assert "6 validations, final val loss 6.1750" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report.main(["compare", "--run", f"ours={ours}", "--out", str(tmp_path / "x")])
+    assert "or one run and a record curve" in capsys.readouterr().err
+
+
+def test_record_curve_reader_refuses_our_metrics_and_other_files(tmp_path):
+    ours = tmp_path / "metrics.jsonl"
+    ours.write_text(json.dumps({"kind": "val", "step": 0, "val_loss": 10.8, "train_time_s": 0.0}) + "\n")
+    with pytest.raises(ValueError, match="is a track_1_short metrics.jsonl"):
+        report.read_record_val_curve(ours)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match="has no line of kind"):
+        report.read_record_val_curve(other)
+    warm = tmp_path / "warm" / "loss.jsonl"
+    warm.parent.mkdir()
+    warm.write_text('{"kind": "warmup", "step": 0}\n')
+    with pytest.raises(ValueError, match="no validation line"):
+        report.read_record_val_curve(warm.parent)
+    with pytest.raises(ValueError, match="does not exist"):
+        report.read_record_val_curve(tmp_path / "none.jsonl")

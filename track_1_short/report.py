@@ -3,7 +3,9 @@
 What it replaces: the speedrun's print-to-log lines, which a reader has to grep. Here every
 training and validation event is one JSON object per line (`metrics.jsonl`), the end of a run
 writes `summary.json` (temp file + rename), and `plot_run` draws loss vs step and vs time and the
-per-stage ms/step; `plot_compare` puts two runs (graphs on vs off) side by side.
+per-stage ms/step; `plot_compare` puts two runs (graphs on vs off) side by side, and
+`plot_val_compare` overlays their validation curves, with the record's (`read_record_val_curve`:
+the loss.jsonl of shared/anchor_modded's `run.sh loss`) when one is given.
 
 Only rank 0 writes. Nothing here touches the GPU; the trainer passes plain numbers.
 """
@@ -182,7 +184,70 @@ def plot_compare(summaries: dict[str, dict], out: Path) -> Path:
     return out
 
 
-def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
+RECORD_KINDS = ("warmup", "train", "val")  # the `kind` of every loss.jsonl line of the harness
+
+
+def read_record_val_curve(path: Path) -> dict:
+    """The record's validation curve from the loss.jsonl of the record's harness
+    (shared/anchor_modded, `run.sh loss`: one JSON object per line, `kind` warmup, train or val;
+    a val line has step, val_loss and train_time_ms). `path`: that file or the folder holding it.
+    Returns {"source", "val_curve": [{"step", "val_loss", "train_time_s"}], "final_val_loss"}.
+    ValueError names the file and what it holds instead (our own metrics.jsonl, another format,
+    no validation yet)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "loss.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: pass the loss.jsonl that the harness's "
+                         "`run.sh loss` writes into its OUT_DIR (or that folder)")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number}: not JSON ({e.msg}): not a loss.jsonl") from None
+    val = [r for r in records if isinstance(r, dict) and r.get("kind") == "val"]
+    if val and all("train_time_s" in r and "train_time_ms" not in r for r in val):
+        raise ValueError(f"{path} is a track_1_short metrics.jsonl, not the record's loss.jsonl: "
+                         "pass its run dir with --run LABEL=RUN_DIR")
+    if not any(isinstance(r, dict) and r.get("kind") in RECORD_KINDS for r in records):
+        raise ValueError(f"{path} has no line of kind {RECORD_KINDS}: not the harness's loss.jsonl")
+    if not val:
+        raise ValueError(f"{path} has no validation line (kind 'val'): the run stopped before its "
+                         "first validation; see its loss.log")
+    curve = [{"step": int(r["step"]), "val_loss": float(r["val_loss"]),
+              "train_time_s": r["train_time_ms"] / 1e3 if r.get("train_time_ms") is not None else None}
+             for r in val]
+    return {"source": str(path), "val_curve": curve, "final_val_loss": curve[-1]["val_loss"]}
+
+
+def plot_val_compare(curves: dict[str, list[dict]], out: Path, record: dict | None = None) -> Path:
+    """Validation loss vs step of several runs ({label: val_curve}) in one plot, the record's
+    curve (read_record_val_curve) dashed beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in curves.items():
+        ax.plot([r["step"] for r in curve], [r["val_loss"] for r in curve], "o-", ms=3, label=label)
+    if record is not None:
+        ax.plot([r["step"] for r in record["val_curve"]], [r["val_loss"] for r in record["val_curve"]],
+                "s--", ms=3, color="black", label="record (modded-nanogpt)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def compare_runs(runs: dict[str, Path], out_dir: Path, record: Path | None = None) -> dict:
     """Side-by-side summary of runs of one preset (e.g. graphs off vs on, run back to back):
     writes `compare.json` and `ms_per_step_compare.png` under out_dir and returns the JSON.
 
@@ -190,9 +255,15 @@ def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
     ratio) and, per stage, the median ms/step difference and ratio. Per run: train time, wall and
     warmup seconds, tokens/s per GPU, peak memory, final val loss, compiles, graphs mode and git
     revision, copied from its summary.json. Runs of different presets, world sizes or step counts
-    are not comparable: ValueError naming the field and both values."""
-    if len(runs) < 2:
-        raise ValueError(f"compare_runs: needs at least two runs, got {list(runs)}")
+    are not comparable: ValueError naming the field and both values.
+
+    `record`: the record's loss.jsonl (read_record_val_curve); its val curve goes into the JSON
+    (`record`) and into `val_loss_compare.png` beside every run's, and one run is then enough.
+    That plot is written whenever a run has a val curve or a record is given."""
+    if len(runs) + (record is not None) < 2:
+        raise ValueError(f"compare_runs: needs at least two runs, or one run and a record curve, "
+                         f"got runs {list(runs)}")
+    record_curve = read_record_val_curve(record) if record is not None else None
     summaries = {}
     for label, run_dir in runs.items():
         path = Path(run_dir) / "summary.json"
@@ -233,14 +304,20 @@ def compare_runs(runs: dict[str, Path], out_dir: Path) -> dict:
             "stages": stages,
             # stages timed in only one of the two runs (not compared)
             "stages_unmatched": sorted(set(base["ms_per_step_by_stage"]) ^ set(s["ms_per_step_by_stage"]))}
+    if record_curve is not None:
+        result["record"] = record_curve
     out_dir = Path(out_dir)
     write_json_atomic(out_dir / "compare.json", result)
     plot_compare(summaries, out_dir / "ms_per_step_compare.png")
+    curves = {label: s["val_curve"] for label, s in summaries.items() if s.get("val_curve")}
+    if curves or record_curve is not None:
+        plot_val_compare(curves, out_dir / "val_loss_compare.png", record_curve)
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m track_1_short.report compare --run off=runs/a --run on=runs/b --out DIR`."""
+    """`python -m track_1_short.report compare --run off=runs/a --run on=runs/b --out DIR`
+    (`--record PATH/loss.jsonl` adds the record's val curve)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m track_1_short.report",
@@ -249,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare.json + ms_per_step_compare.png of two or more runs")
     c.add_argument("--run", action="append", required=True, metavar="LABEL=RUN_DIR",
                    help="a run directory with summary.json; the first --run is the baseline")
+    c.add_argument("--record", type=Path, metavar="LOSS_JSONL",
+                   help="the record's loss.jsonl (shared/anchor_modded `run.sh loss`, or its OUT_DIR): "
+                        "its val curve joins val_loss_compare.png and compare.json; one --run is "
+                        "then enough")
     c.add_argument("--out", type=Path, required=True, help="directory for the comparison files")
     args = p.parse_args(argv)
     runs = {}
@@ -260,13 +341,17 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--run {spec!r}: label {label!r} given twice")
         runs[label] = Path(path)
     try:
-        result = compare_runs(runs, args.out)
+        result = compare_runs(runs, args.out, args.record)
     except ValueError as e:
         p.error(str(e))
     for label, v in result["versus_baseline"].items():
         print(f"{label} vs {result['baseline']}: train time {v['train_time_ratio']:.4f}x "
               f"({v['train_time_s_diff']:+.2f} s); per stage "
               + ", ".join(f"{st} {d['ratio']:.4f}x" for st, d in v["stages"].items()))
+    if "record" in result:
+        rec = result["record"]
+        print(f"record ({rec['source']}): {len(rec['val_curve'])} validations, final val loss "
+              f"{rec['final_val_loss']:.4f}")
     print(f"wrote {Path(args.out) / 'compare.json'}")
     return 0
 

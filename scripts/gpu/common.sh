@@ -1,4 +1,5 @@
-# Sourced by the device-call scripts in this folder: environment, log folder, machine facts, and
+# Sourced by the device-call scripts in this folder: environment, log folder, machine facts,
+# `run_trainer`, `run_anchor` (the record's harness), `left` (seconds to the call's deadline) and
 # `pack_outputs` (the device tool returns at most 8 files of <= 16 MiB: logs and runs go in one
 # tarball, a larger compile cache is split). Needs $OUT (the device tool's output folder).
 set -u
@@ -33,8 +34,35 @@ run_trainer() {
   echo "exit $? after $(elapsed) s" >> "$L/$id.log"
 }
 
+# The record's harness (shared/anchor_modded, copied by scripts/gpu/prepare_carry.sh into
+# .carry/anchor_src, its tokenizer in .carry/anchor_modded): `run_anchor MODE LIMIT_S [KEY=VALUE ...]`
+# runs `run.sh MODE` with its output in $OUT/anchor (timing.json or loss.jsonl + loss.json, MODE.log)
+# and its console in $L/anchor_MODE.log. TIMEOUT_S=LIMIT_S (SIGINT: the harness still writes its
+# JSON; allow ~10-30 s more for the exit). Its compile caches go to .carry/anchor_work, apart from
+# ours; a warm machine keeps them between calls as long as the carry names .carry's subfolders,
+# never .carry itself (a carried path replaces its folder on the device machine).
+run_anchor() {
+  local mode=${1:?usage: run_anchor MODE LIMIT_S [KEY=VALUE ...]} limit=${2:?}
+  shift 2
+  local log="$L/anchor_${mode/+/_}.log"
+  if [[ ! -f .carry/anchor_src/run.sh || ! -d .carry/anchor_modded/tiktoken_cache ]]; then
+    echo "run_anchor: .carry/anchor_src or .carry/anchor_modded missing: run scripts/gpu/prepare_carry.sh" \
+         "on the CPU machine and carry both" | tee -a "$log" >&2
+    return 2
+  fi
+  env -u TORCHINDUCTOR_CACHE_DIR bash .carry/anchor_src/run.sh "$mode" WORK=.carry/anchor_work \
+      OUT_DIR="$OUT/anchor" TIMEOUT_S="$limit" "$@" > "$log" 2>&1
+  echo "exit $? after $(elapsed) s" >> "$log"
+}
+
+# Seconds left before DEADLINE_S (default 585: the device tool's 600 s call limit, less packing).
+left() { echo $(( ${DEADLINE_S:-585} - $(elapsed) )); }
+
+# `pack_outputs [DIR ...]`: logs, runs and the named folders of $OUT into results.tgz.
 pack_outputs() {
-  cd "$OUT" && tar czf results.tgz logs runs && rm -rf logs runs
+  local dirs=(logs runs) d
+  for d in "$@"; do [[ -e "$OUT/$d" ]] && dirs+=("$d"); done
+  cd "$OUT" && tar czf results.tgz "${dirs[@]}" && rm -rf "${dirs[@]}"
   if [[ -f compile_cache.bin && $(stat -c %s compile_cache.bin) -gt 16000000 ]]; then
     split -b 15M -d compile_cache.bin compile_cache.bin.part && rm compile_cache.bin
   fi

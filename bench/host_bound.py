@@ -1,0 +1,100 @@
+"""Is one rank's step of the 8-GPU run host-bound? From bench/step.py results run with
+`--micro-steps 1 --graphs on,off` at stages A and C (scripts/gpu/host_bound.sh), written as
+docs/results/host_bound_<machine>_<date>.json.
+
+What it replaces: reading step time against host issue time by hand. With one micro-step per
+step (the per-rank work of 8 GPUs) the GPU has the least work per host call, so this is where
+the host can be the bottleneck and where the step graphs (one replay instead of ~650 kernel
+launches per micro-step at A: 5,320 per 8-micro-step step, shared/anchor_modded/RESULTS.md) should
+pay: graphs on vs off per stage answers it. Refused (exit 2): a missing
+file, a file of another kind, a stage or variant missing, a run with more than one micro-step.
+
+Output, per stage S in --stages and graphs variant on/off:
+  stages.S.graphs_{on,off}:
+    step_ms {median, p10, p90}   variants[g].step_ms.{median_ms,p10_ms,p90_ms}: the device's
+                                 time per step (CUDA events at step start and end)
+    host_issue_ms                variants[g].host_issue_ms.median_ms: the host's time to issue a
+                                 step; at or above step_ms the host is the bottleneck
+    gpu_busy                     variants[g].gpu_busy: device-busy time (torch.profiler, 2 steps)
+                                 / step_ms median; null when the bench ran without --profile
+    host_syncs_per_step          variants[g].host_syncs_per_step (sync debug mode counts; null
+                                 on CPU)
+  stages.S.on_over_off: step_ms_median and host_issue_ms, graphs on / graphs off
+  command {script, builder, ours: {S: command}}, machine {name, ours: the stage-A file's machine}
+
+Run: PYTHONPATH=. python bench/host_bound.py --step OUT/host_bound_A.json \\
+         --step OUT/host_bound_C.json --machine h200 --out-dir docs/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.results_io import (InputError, StepBench, builder_command, dig, load_step_benches,
+                              ratio, run_main, spread, today, write_result)
+
+STAGES = ("A", "B", "C", "D")
+
+
+def variant(bench: StepBench, graphs: str) -> dict:
+    row = bench.row(graphs)
+    if row.get("micro_steps") != 1:
+        raise InputError(f"{bench.path}: graphs={graphs} ran {row.get('micro_steps')} micro-steps "
+                         "per step; the host-bound question is asked of one rank's step of 8 GPUs: "
+                         "run bench/step.py with --micro-steps 1")
+    return {"step_ms": spread(row.get("step_ms"), "_ms"),
+            "host_issue_ms": dig(row, "host_issue_ms", "median_ms"),
+            "gpu_busy": row.get("gpu_busy"),
+            "host_syncs_per_step": row.get("host_syncs_per_step")}
+
+
+def build(paths: list[Path], stages: list[str], machine: str, script: str | None) -> dict:
+    benches = load_step_benches(paths)
+    result = {"command": {"script": script, "builder": builder_command(), "ours": {}},
+              "machine": {"name": machine, "ours": None}, "stages": {}}
+    for stage in stages:
+        if stage not in benches:
+            raise InputError(f"--step: no bench/step.py result for stage {stage} among "
+                             f"{[str(p) for p in paths]}; run bench/step.py --stage {stage} "
+                             "--micro-steps 1 --graphs on,off")
+        on, off = variant(benches[stage], "on"), variant(benches[stage], "off")
+        result["command"]["ours"][stage] = benches[stage].command
+        result["machine"]["ours"] = result["machine"]["ours"] or benches[stage].machine
+        result["stages"][stage] = {
+            "graphs_on": on, "graphs_off": off,
+            "on_over_off": {"step_ms_median": ratio(dig(on, "step_ms", "median"),
+                                                    dig(off, "step_ms", "median")),
+                            "host_issue_ms": ratio(on["host_issue_ms"], off["host_issue_ms"])}}
+    return result
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/host_bound.py", description=__doc__.split("\n")[0])
+    p.add_argument("--step", type=Path, action="append", required=True, metavar="STEP_JSON",
+                   help="a bench/step.py result (--micro-steps 1 --graphs on,off), once per stage")
+    p.add_argument("--stages", default="A,C", help="stages to build (default A,C)")
+    p.add_argument("--machine", default="h200", help="machine name for the file name (default h200)")
+    p.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
+    p.add_argument("--script", default=None, help="the device script that produced the inputs")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    args = p.parse_args(argv)
+    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    if not args.stages or any(s not in STAGES for s in args.stages):
+        p.error(f"--stages {','.join(args.stages)}: choose from {','.join(STAGES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    result = build(args.step, args.stages, args.machine, args.script)
+    write_result(args.out_dir, f"host_bound_{args.machine}_{args.date or today()}.json", result)
+    for stage, s in result["stages"].items():
+        print(f"stage {stage}: graphs on / off step {s['on_over_off']['step_ms_median']}, host "
+              f"issue {s['on_over_off']['host_issue_ms']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("bench/host_bound.py", main, None))

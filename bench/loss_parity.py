@@ -1,0 +1,313 @@
+"""Our validation loss against the record's on the same corpus, schedule and validation tokens,
+from one device call's raw outputs (scripts/gpu/loss_parity.sh): our trainer's run dir and the
+record harness's loss.jsonl, written as docs/results/loss_parity_<corpus>_<date>.json.
+
+What it replaces: overlaying two curves by eye, where a difference in data, schedule or
+validation set would pass unnoticed. Both runs are checked to be comparable before anything is
+written (exit 2 otherwise, naming both values): the same train corpus (token count), the same
+stage boundaries (our preset's stages against the record's ITERS / EXT_ITERS split), the same
+validation shard files, tokens per forward and token count.
+
+When the data starts repeating matters: the corpora here are small (25.3M train tokens for
+embedded-large), and a curve after the first repeated token measures memorization as much as
+learning. Both loaders cut every document at the stage's max_seq_len and drop the rest, so an
+epoch ends after fewer tokens than the corpus holds; the first repeat is found by walking each
+loader's document order over the schedule:
+- ours: data.TrainStream itself (seeded document order per epoch, every slice of every step);
+  the first step that takes a document of the second epoch;
+- the record: upstream's Shard.next_batch at world size 1 (documents in file order, 8
+  micro-batches of T + 1 tokens per step); the first step whose micro-batch runs past the last
+  BOS of the last train shard (upstream then reloads the cycled files). This assumes the shard's
+  full BOS index is ready before its partial one (the first 6M tokens) runs out: the background
+  scan of a 25M-token shard takes well under a second.
+`repeats_at_step` is the earlier of the two; `repeats.token_count_bound` is the step at which
+the tokens trained exceed the corpus (the later bound that ignores the cut documents). A
+validation at step s runs before step s trains, so the points with step <= repeats_at_step saw
+no repeated token on either side; `max_gap_before_repeat` is the signed (ours - record) gap of
+largest size among them, at `max_gap_step`.
+
+Output: command {script, builder, record}, corpus, corpus_tokens, val_tokens,
+val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
+token_count_bound}, val [{step, ours, record}] at the steps both validated,
+max_gap_before_repeat, max_gap_step, complete {ours, record}.
+
+Subcommands:
+  build        the JSON above (scripts/gpu/loss_parity.sh after both runs)
+  anchor-args  the record harness's KEY=VALUE settings that reproduce a preset's schedule, its
+               Muon momentum ramp and our validation tokens on a data dir, one line, for run.sh
+               (refused if the preset's stages are not the record's thirds + one extension)
+
+Run: PYTHONPATH=. python bench/loss_parity.py build --ours OUT/runs/small-gpu-parity \\
+         --record OUT/anchor --data-dir data/embedded-large --out-dir docs/results
+     PYTHONPATH=. python bench/loss_parity.py anchor-args --preset small-gpu \\
+         --data-dir data/embedded-large --val-every 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.results_io import InputError, builder_command, load_json, run_main, today, write_result
+from track_1_short import config as config_mod
+from track_1_short import report
+from track_1_short.data import (BOS_ID, HEADER_BYTES, DataError, SliceShape, TrainStream, list_shards,
+                                num_val_slices, read_header)
+
+RECORD_MICRO_STEPS = 8  # the harness runs at world size 1: grad_accum_steps 8
+UNBOUNDED_ROWS = 1 << 30  # cu_seqlens capacity for walking the stream (no key is built)
+
+
+@dataclass(slots=True, frozen=True)
+class StageShape:
+    """One stage as both loaders see it: its steps and one micro-batch's tokens and document cut."""
+
+    name: str
+    num_steps: int
+    tokens: int  # T per micro-batch (per rank)
+    max_seq_len: int
+
+
+def stage_shapes(stages: list[dict]) -> list[StageShape]:
+    return [StageShape(s["name"], s["num_steps"], s["tokens_per_rank"], s["max_seq_len"]) for s in stages]
+
+
+def boundaries(shapes: list[StageShape]) -> list[list[int]]:
+    out, start = [], 0
+    for s in shapes:
+        out.append([start, start + s.num_steps])
+        start += s.num_steps
+    return out
+
+
+def per_step(shapes: list[StageShape]) -> list[StageShape]:
+    return [s for s in shapes for _ in range(s.num_steps)]
+
+
+# ---------------------------------------------------------------- first repeat
+
+def ours_first_repeat(train_shards: list[Path], seed: int, shuffle: bool, steps: list[StageShape],
+                      slices_per_step: int) -> int | None:
+    """The first step that takes a document of the stream's second epoch (None: none does)."""
+    stream = TrainStream(train_shards, seed=seed, shuffle=shuffle)
+    for step, s in enumerate(steps):
+        shape = SliceShape(tokens=s.tokens, max_seq_len=s.max_seq_len, cu_seqlens_rows=UNBOUNDED_ROWS)
+        for _ in range(slices_per_step):
+            stream.next_slice(shape)
+            pos = stream.pos  # (1, 0, 0) right after the first epoch's last document: no repeat yet
+            if pos.epoch > 1 or (pos.epoch == 1 and (pos.shard_pos or pos.doc_pos)):
+                return step
+    return None
+
+
+def bos_index(path: Path) -> tuple[np.ndarray, int]:
+    """(BOS positions, token count) of one shard."""
+    count = read_header(path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES, shape=(count,))
+    return np.flatnonzero(tokens == BOS_ID), count
+
+
+def record_first_repeat(train_shards: list[Path], steps: list[StageShape],
+                        micro_steps: int = RECORD_MICRO_STEPS) -> int | None:
+    """The first step at which upstream's loader (Shard.next_batch, world size 1, files in sorted
+    order, cycled by the harness) runs out of BOS in the last train shard (None: it never does)."""
+    files = iter(train_shards)
+    bos, size = bos_index(next(files))
+    idx = 0
+    for step, s in enumerate(steps):
+        for _ in range(micro_steps):
+            while True:  # a micro-batch that hits the shard's tail is redone on the next shard
+                cur_len, i = 0, idx
+                while cur_len <= s.tokens and i < bos.size:
+                    cur = int(bos[i])
+                    i += 1
+                    end = min(int(bos[i]) if i < bos.size else size, cur + s.max_seq_len,
+                              cur + s.tokens - cur_len + 1)
+                    cur_len += end - cur
+                if cur_len > s.tokens:
+                    idx = i
+                    break
+                nxt = next(files, None)
+                if nxt is None:
+                    return step
+                (bos, size), idx = bos_index(nxt), 0
+    return None
+
+
+def token_count_bound(steps: list[StageShape], slices_per_step: int, corpus_tokens: int) -> int | None:
+    """The first step at which the tokens trained so far exceed the corpus."""
+    total = 0
+    for step, s in enumerate(steps):
+        total += slices_per_step * s.tokens
+        if total > corpus_tokens:
+            return step
+    return None
+
+
+# ---------------------------------------------------------------- inputs
+
+def corpus(data_dir: Path) -> tuple[list[Path], list[Path], int, int]:
+    """(train shards, val shards, train tokens, val tokens) of a data dir."""
+    try:
+        train, val = list_shards(data_dir, "train"), list_shards(data_dir, "val")
+        return train, val, sum(map(read_header, train)), sum(map(read_header, val))
+    except DataError as e:
+        raise InputError(f"--data-dir: {e}") from None
+
+
+def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
+    """(config.json, val records of metrics.jsonl, summary.json or None) of a trainer run dir."""
+    run_dir = Path(run_dir)
+    hint = "pass the run dir of `python -m track_1_short.train` (RUNS_DIR/RUN_ID)"
+    cfg = load_json(run_dir / "config.json", "a trainer run dir's config.json", hint)
+    if "schedule" not in cfg or "data" not in cfg:
+        raise InputError(f"{run_dir / 'config.json'}: not a trainer config (no schedule / data); {hint}")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise InputError(f"{run_dir / 'metrics.jsonl'} does not exist: the run stopped before its "
+                         f"first log line; see its train.log")
+    val = [r for r in report.MetricsLog.read(run_dir) if r.get("kind") == "val"]
+    if not val:
+        raise InputError(f"{run_dir / 'metrics.jsonl'} has no validation record: the run stopped "
+                         "before its first validation, or ran with validation off")
+    summary = run_dir / "summary.json"
+    return cfg, val, json.loads(summary.read_text()) if summary.is_file() else None
+
+
+def load_record(path: Path) -> tuple[dict, dict, Path]:
+    """(val curve, loss.json, its path) of the harness's `run.sh loss` output (loss.jsonl or its
+    folder)."""
+    try:
+        curve = report.read_record_val_curve(path)
+    except ValueError as e:
+        raise InputError(f"--record: {e}") from None
+    loss_json = Path(curve["source"]).with_name("loss.json")
+    summary = load_json(loss_json, "the harness's loss.json beside its loss.jsonl",
+                        "the harness writes it next to loss.jsonl, also when the run is cut")
+    if summary.get("mode") != "loss":
+        raise InputError(f"{loss_json}: mode {summary.get('mode')!r}, not a `run.sh loss` summary")
+    return curve, summary, loss_json
+
+
+def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
+    if ours != record:
+        raise InputError(f"not the same {what}: ours {ours!r} ({ours_src}), the record's {record!r} "
+                         f"({record_src}); re-run scripts/gpu/loss_parity.sh, whose settings match")
+
+
+# ---------------------------------------------------------------- build
+
+def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, script: str | None) -> dict:
+    cfg, ours_val, summary = load_ours(ours_dir)
+    record_curve, rec, loss_json = load_record(record_path)
+    train, val_shards, train_tokens, val_tokens = corpus(data_dir)
+    src_ours, src_rec = str(Path(ours_dir) / "config.json"), str(loss_json)
+    shapes = stage_shapes(cfg["schedule"]["stages"])
+    same("train corpus (tokens)", train_tokens, f"--data-dir {data_dir}",
+         (rec.get("train_data") or {}).get("tokens"), src_rec)
+    same("stage boundaries", boundaries(shapes), src_ours, (rec.get("schedule") or {}).get("boundaries"), src_rec)
+    T = cfg["data"]["val_tokens_per_batch"]
+    ours_val_tokens = num_val_slices(min(val_tokens, cfg["data"]["val_tokens"]), T) * T
+    rec_val = rec.get("val") or {}
+    same("validation shards", sorted(p.name for p in val_shards), f"--data-dir {data_dir}",
+         sorted(Path(f).name for f in rec_val.get("files") or []), src_rec)
+    same("validation tokens per forward", T, src_ours, rec_val.get("tokens_per_forward"), src_rec)
+    same("validation token count", ours_val_tokens, src_ours, rec_val.get("tokens"), src_rec)
+
+    micro = cfg["data"].get("micro_steps")
+    world = (summary or {}).get("world_size", 1)
+    slices = cfg["data"]["slices_per_step"] if micro is None else micro * world
+    steps = per_step(shapes)
+    repeats = {"ours": ours_first_repeat(train, cfg["data"]["seed"], cfg["data"]["shuffle"], steps, slices),
+               "record": record_first_repeat(train, steps),
+               "token_count_bound": token_count_bound(steps, slices, train_tokens)}
+    found = [s for s in (repeats["ours"], repeats["record"]) if s is not None]
+    repeat_at = min(found) if found else None
+
+    ours_by_step = {r["step"]: r["val_loss"] for r in ours_val}  # a resumed run: its last value
+    rec_by_step = {r["step"]: r["val_loss"] for r in record_curve["val_curve"]}
+    points = [{"step": s, "ours": ours_by_step[s], "record": rec_by_step[s]}
+              for s in sorted(set(ours_by_step) & set(rec_by_step))]
+    before = [p for p in points if repeat_at is None or p["step"] <= repeat_at]
+    worst = max(before, key=lambda p: abs(p["ours"] - p["record"]), default=None)
+    return {"command": {"script": script, "builder": builder_command(),
+                        "record": (rec.get("run") or {}).get("command")},
+            "corpus": corpus_name, "corpus_tokens": train_tokens,
+            "val_tokens": ours_val_tokens, "val_tokens_per_forward": T,
+            "record_val_backend": rec_val.get("backend"),
+            "boundaries": boundaries(shapes),
+            "repeats_at_step": repeat_at, "repeats": repeats,
+            "val": points,
+            "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
+            "max_gap_step": worst["step"] if worst else None,
+            "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
+
+
+# ---------------------------------------------------------------- anchor-args
+
+def anchor_args(preset: str, data_dir: Path, val_every: int, val_tokens_per_batch: int | None,
+                max_val_tokens: int | None) -> str:
+    """run.sh KEY=VALUE settings that give the record our preset's schedule and validation."""
+    cfg = config_mod.preset(preset)
+    stages, sched = cfg.schedule.stages, cfg.schedule
+    main = [s.num_steps for s in stages if not s.extension]
+    ext = [s.num_steps for s in stages if s.extension]
+    iters = sum(main)
+    thirds = [round(iters / 3), round(2 * iters / 3) - round(iters / 3), iters - round(2 * iters / 3)]
+    if len(main) != 3 or main != thirds or len(ext) != 1:
+        raise InputError(f"--preset {preset}: stages {[(s.name, s.num_steps) for s in stages]}; the "
+                         f"record splits ITERS into thirds plus one extension stage (here {thirds} + 1)")
+    _, val_shards, _, val_tokens = corpus(data_dir)
+    T = val_tokens_per_batch or cfg.data.val_tokens_per_batch
+    available = min(val_tokens, max_val_tokens or cfg.data.val_tokens)
+    # ours: (N - 1) // T slices; the harness's loader also wants a token beyond the last target
+    slices = min(num_val_slices(available, T), num_val_slices(val_tokens - 1, T))
+    if slices < 1:
+        raise InputError(f"--data-dir {data_dir}: {val_tokens} validation tokens hold no batch of {T}")
+    return " ".join(f"{k}={v}" for k, v in (
+        ("ITERS", iters), ("EXT_ITERS", ext[0]), ("MUON_WARMUP", sched.momentum_warmup_steps),
+        ("MUON_COOLDOWN", sched.momentum_cooldown_steps), ("VAL_EVERY", val_every),
+        ("VAL_SEQ", T), ("VAL_TOKENS", slices * T)))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/loss_parity.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="the loss-parity JSON from our run dir and the record's loss.jsonl")
+    b.add_argument("--ours", type=Path, required=True, metavar="RUN_DIR", help="our trainer's run dir")
+    b.add_argument("--record", type=Path, required=True, metavar="LOSS_JSONL",
+                   help="the harness's loss.jsonl (run.sh loss), or its OUT_DIR")
+    b.add_argument("--data-dir", type=Path, required=True, help="the shards both runs trained on")
+    b.add_argument("--corpus", default=None, help="corpus name for the file name (default: the data dir's)")
+    b.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
+    b.add_argument("--script", default=None, help="the device script that produced the inputs")
+    b.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    a = sub.add_parser("anchor-args", help="run.sh KEY=VALUE settings matching a preset")
+    a.add_argument("--preset", default="small-gpu", choices=config_mod.PRESETS)
+    a.add_argument("--data-dir", type=Path, required=True)
+    a.add_argument("--val-every", type=int, required=True)
+    a.add_argument("--val-tokens-per-batch", type=int, default=None)
+    a.add_argument("--val-tokens", type=int, default=None, help="at most this many (default the preset's)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.command == "anchor-args":
+        print(anchor_args(args.preset, args.data_dir, args.val_every, args.val_tokens_per_batch,
+                          args.val_tokens))
+        return 0
+    name = args.corpus or args.data_dir.resolve().name
+    result = build(args.ours, args.record, args.data_dir, name, args.script)
+    write_result(args.out_dir, f"loss_parity_{name}_{args.date or today()}.json", result)
+    print(f"repeats at step {result['repeats_at_step']} ({result['repeats']}); max gap before it "
+          f"{result['max_gap_before_repeat']} at step {result['max_gap_step']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main("bench/loss_parity.py", main, None))
