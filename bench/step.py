@@ -16,7 +16,8 @@ alone: its key compiles once, the warmup captures and self-checks it, then --ste
 - peak memory, recompiles during the timed steps (must be 0), the warmup's seconds.
 Deviations from the full schedule, which change no kernel's work: YaRN tables are the base ones
 (the stage's windows are used, its attention scale is not the chained one); the embed/lm_head
-untie happens before the timed steps for stages C and D (as in the run from step 847 on).
+untie happens after step 3 for stages C and D (UNTIE_STEP; the run unties at step 847), and
+the statistics start after it.
 
 Run (H200): PYTHONPATH=. python bench/step.py --stage C --steps 20 --graphs on,off \\
     --out docs/results/step_h200_C.json   (add --micro-steps 1 for one rank's step of 8 GPUs)
@@ -50,6 +51,7 @@ from track_1_short.trainer.stop import GracefulStop
 from track_1_short.trainer.summary import step_times
 
 PROFILE_STEPS = 2
+UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits that cadence twice)
 
 
 def stage_config(args, graphs: str, runs_dir: Path):
@@ -59,8 +61,11 @@ def stage_config(args, graphs: str, runs_dir: Path):
     base = cfg.schedule.stages[min(index, len(cfg.schedule.stages) - 1)]
     profile = PROFILE_STEPS if args.profile else 0
     stage = dataclasses.replace(base, num_steps=args.steps + profile, extension=False)
+    # stages C and D run untied, as in the run from step 847 on: untie after step UNTIE_STEP, so
+    # the warmup captures both Adam cadences; the steady window starts after it
     cfg.schedule = dataclasses.replace(cfg.schedule, stages=(stage,), momentum_warmup_steps=0,
-                                       momentum_cooldown_steps=0)
+                                       momentum_cooldown_steps=0,
+                                       untie_step=UNTIE_STEP if index >= 2 else None)
     cfg.graphs.mode = graphs if not args.smoke else "off"
     cfg.data.data_dir, cfg.data.micro_steps = Path(args.data_dir), args.micro_steps
     cfg.train = dataclasses.replace(
@@ -95,8 +100,6 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
     try:
         started = time.perf_counter()
         run = prepare_run(pre.cfg, ctx, pre, stop, None, started)
-        if index >= 2 and run.parts.optimizer.tied:
-            run.parts.optimizer.untie_embed_head()
         run.parts.model.set_prefix_table(run.parts.prefix_table)
         common.reset_peak(ctx.device)
         timed_run(run, 0)
@@ -106,7 +109,8 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
     finally:
         handle.release()
         destroy_distributed()
-    steady = times[1:] if len(times) > 2 else times
+    first = run.spec.untie_step + 1 if run.spec.untie_step is not None else 1
+    steady = times[first:] if len(times) > first + 1 else times
     step_ms = [t["step_ms"] for t in steady]
     row = {"graphs": graphs, "stage": args.stage, "micro_steps": run.spec.micro_steps,
            "tokens_per_micro_step": run.spec.plans[0].tokens_per_rank,

@@ -132,6 +132,10 @@ class ScheduleConfig:
     # of the adam_every steps since the last one (StepPlan.adam_step / adam_first)
     adam_every: int = 2
     ngram_cycle: int = 2  # n-gram table update event every this many steps (<= MAX_CYCLE_STEPS)
+    # embed and lm_head untie after this step's update (an Adam step); None: the first odd step of
+    # the third stage (facts 3; 847 in the speedrun), no untie with fewer stages. bench/step.py
+    # sets it for a stage-C-only run, so its warmup captures both Adam cadences.
+    untie_step: int | None = None
     val_every_steps: int = 250  # validation before steps that are multiples of this, and at the end
     final_val_ws_long: int = 2560  # long window of the final validation (ws_short: last stage's)
 
@@ -153,7 +157,11 @@ class ScheduleConfig:
             raise ValueError(f"cooldown_frac={self.cooldown_frac} must be in [0, 1]")
         if not 1 <= self.ngram_cycle <= MAX_CYCLE_STEPS:
             raise ValueError(f"ngram_cycle={self.ngram_cycle} must be in [1, MAX_CYCLE_STEPS="
-                             f"{MAX_CYCLE_STEPS}] (the held n-gram gradient ring is that long)")
+                             f"{MAX_CYCLE_STEPS}] (the held n-gram gradients' bound)")
+        if self.untie_step is not None and (self.untie_step < 0
+                                            or self.untie_step % self.adam_every != self.adam_every - 1):
+            raise ValueError(f"untie_step={self.untie_step} must be an Adam step (s % adam_every == "
+                             f"adam_every - 1, adam_every={self.adam_every})")
         if self.adam_every < 1:
             raise ValueError(f"adam_every={self.adam_every} must be >= 1")
         if self.val_every_steps < 1:
