@@ -49,6 +49,7 @@ from track_1_short.trainer.preflight import preflight
 from track_1_short.trainer.run_dir import claim_run_dir
 from track_1_short.trainer.stop import GracefulStop
 from track_1_short.trainer.summary import step_times
+from track_1_short.trainer.timing import MICRO_PHASES
 
 PROFILE_STEPS = 2
 UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits that cadence twice)
@@ -85,8 +86,12 @@ def phases(times: list[dict], micro_steps: int) -> dict:
     even = [t["phase_ms"]["optimizer"] for t in times if t["step"] % 2 == 0]
     odd = [t["phase_ms"]["optimizer"] for t in times if t["step"] % 2 == 1]
     micro = statistics.median(by["micro_steps"]) if by["micro_steps"] else None
+    # per micro-step: the median over steps of each MICRO_PHASES sum, / micro_steps
+    per_micro = {p: statistics.median(t["phase_ms"][p] for t in times) / micro_steps
+                 for p in MICRO_PHASES if times and all(p in t["phase_ms"] for t in times)}
     return {"micro_steps_ms": _stats(by["micro_steps"]),
             "micro_step_ms": micro / micro_steps if micro is not None else None,
+            "micro_phases_ms": per_micro,
             "optimizer_even_ms": _stats(even), "optimizer_odd_ms": _stats(odd),
             "ngram_update_ms": _stats(by["ngram_update"])}
 

@@ -33,7 +33,10 @@ Field mapping (source field -> output field); every time is in ms:
                   record: stages[k].profiled.kernel_ms_per_step (PROFILE_STEPS=2 steps after the
                           window; null when the run had PROFILE_STEPS=0 or predates the knob)
   fwd_bwd_per_micro_step
-                  ours:   the capture_report row of the stage's key (key.tokens ==
+                  ours:   phases_ms.micro_phases_ms forward + backward (the steady window's
+                          CUDA-event phases per micro-step: forward replay; row-id exchange,
+                          backward replay and gradient handoff) when the result has them; older
+                          results: the capture_report row of the stage's key (key.tokens ==
                           tokens_per_micro_step): replay_ms, forward + backward replay timed once
                           on the warmup's self-check visit (graphs on only: with graphs off there
                           is no replay and this is null)
@@ -80,8 +83,13 @@ def ours_side(bench: StepBench, graphs: str) -> tuple[dict, int, int]:
     row = bench.row(graphs)
     phases, micro = row.get("phases_ms") or {}, row.get("micro_steps")
     tokens = row.get("tokens_per_micro_step")
-    replay = next((r.get("replay_ms") for r in row.get("capture_report") or []
-                   if dig(r, "key", "tokens") == tokens), None)
+    # the steady forward + backward per micro-step (the timer's phases) when the bench has them,
+    # else the one replay timed at warmup (the capture report; results before the phases)
+    per_micro = phases.get("micro_phases_ms") or {}
+    replay = (per_micro["forward"] + per_micro["backward"]
+              if "forward" in per_micro and "backward" in per_micro else
+              next((r.get("replay_ms") for r in row.get("capture_report") or []
+                    if dig(r, "key", "tokens") == tokens), None))
     micro_steps_ms = dig(phases, "micro_steps_ms", "median_ms")
     extras = micro_steps_ms - micro * replay if micro_steps_ms is not None and replay else None
     mfu = (row["mfu_micro_step"] * phases["micro_step_ms"] / replay

@@ -210,7 +210,9 @@ def _saving(run_dir: Path) -> bool:
 
 
 def _second_save(run_dir: Path) -> bool:
-    return _saving(run_dir) and (run_dir / "ckpt_step000002").is_dir()
+    # step 4's save in flight (one path: checking "a .tmp" and "step 2's folder" one after the
+    # other raced with step 2's own rename on a loaded machine and fired during that save)
+    return (run_dir / "ckpt_step000004.tmp").is_dir()
 
 
 def signals_mode(shards: Path, out: Path) -> dict:

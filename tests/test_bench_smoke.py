@@ -1,5 +1,5 @@
 """Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py, bench/optimizer.py and
-bench/loss_kernel.py and bench/step.py, so they do not rot.
+bench/loss_kernel.py, bench/step.py and bench/ngram_hold.py, so they do not rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
 tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
@@ -52,6 +52,17 @@ def test_model_bench_smoke(tmp_path):
         assert row["median_ms"] > 0 and row["n"] == 2 and row["recompiles_timed"] == 0
         assert row["model_flops"] > row["dense_flops"] > 0 and row["mfu"] > 0
     assert set(data["goals"]) == {"mfu_C_ge_35pct", "ms_C_le_100", "no_recompiles"}
+
+
+def test_ngram_hold_bench_smoke(tmp_path):
+    out = tmp_path / "hold.json"
+    _run("ngram_hold.py", "--steps", "3", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert "--smoke" in data["command"] and data["tokens_per_micro_step"] == 64
+    assert set(data["ops_ms"]) == {"row_ids", "slots_for", "hold", "index_add", "index_fill",
+                                   "index_put_accumulate", "index_add_sorted", "copy"}
+    assert all(op["n"] == 3 and op["median_ms"] > 0 for op in data["ops_ms"].values())
+    assert 0 < data["distinct_rows_per_micro_step"] <= 2 * 64 <= data["rows"]
 
 
 def test_step_graphs_bench_smoke(tmp_path):

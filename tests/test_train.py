@@ -60,6 +60,24 @@ def test_step_timer_splits_a_step_into_its_phases(monkeypatch):
     assert timer.host_ms == {7: pytest.approx(2250.0)}  # the host's time to issue step 7
 
 
+def test_step_timer_sums_the_micro_step_phases(monkeypatch):
+    """Phases marked once per micro-step sum over the step; micro_steps is their total."""
+    # host start, step start, 2 micro-steps x (rows, forward, backward, hold), optimizer, end, stop
+    clock = iter([0.0, 1.0, 1.1, 1.3, 1.6, 1.7, 1.8, 2.0, 2.3, 2.4, 2.5, 2.6, 2.6])
+    monkeypatch.setattr("track_1_short.trainer.timing.time.perf_counter", lambda: next(clock))
+    timer = StepTimer(torch.device("cpu"))
+    timer.start(0)
+    for _ in range(2):
+        for phase in ("rows", "forward", "backward", "hold"):
+            timer.mark(0, phase)
+    timer.mark(0, "optimizer")
+    timer.stop(0)
+    timer.resolve()
+    expected = {"rows": 200.0, "forward": 400.0, "backward": 600.0, "hold": 200.0,
+                "micro_steps": 1400.0, "optimizer": 100.0}
+    assert timer.phase_ms[0] == pytest.approx(expected)
+
+
 def test_deterministic_mode_is_scoped_to_the_run(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert not torch.are_deterministic_algorithms_enabled()

@@ -20,7 +20,10 @@ kernel's masked loads and stores skip them, so an untouched row costs one 4-byte
 
 Cost at stage C on one GPU (16 held micro-steps, ~480k touched of 754,560 rows, R = 768, float32):
 per touched row read acc, m, v, table and write all four plus the zeroed acc: ~28 KB, ~13 GB per
-event; the floor at ~4 TB/s is ~3.3 ms. Measured: docs/results/README.md ("n-gram event").
+event; the floor at ~4 TB/s is ~3.3 ms. Measured on one H200 (docs/results/README.md, 2026-12-01,
+fifth lease): 3.06 ms per event in the real stage-C step (bench/step.py), 3.86 ms with 70.5% of
+the rows touched in tests/test_ngram_adam_gpu.py (the reference path: 19.19 ms); it was 28.3 ms
+before (unique, cat, eager SparseAdam, two host syncs and a cache refresh).
 
 What must stay stable: nothing is owned here; every buffer is the caller's and is updated in
 place (capture-safe: no allocation, no host read). Compiles once per (dtypes, R) at the first call.

@@ -9,7 +9,8 @@ loader batch -> n-gram slots -> runner.forward -> next micro-batch's row-id exch
 under the backward) -> runner.backward -> hold the n-gram gradient -> optimizer.step (ANVIL
 every step, Adam on the plan's adam_step steps) -> embed/head untie (once) -> n-gram update event
 (the plan's ngram_event steps). Every cadence is the step's StepPlan's (schedule.py).
-The timer marks the end of each phase (timing.StepTimer: micro_steps, optimizer, ngram_update).
+The timer marks the end of each phase (timing.StepTimer: per micro-step rows, forward, backward,
+hold; then optimizer, ngram_update).
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ def train_step(spec: RunSpec, parts: StepParts, step: int, loader: LookaheadLoad
         batch = loader.next_batch()
         # n-gram rows of this micro-batch from their owners (after the last update event)
         ids, slots = parts.prefetch.slots_for(batch.inputs)  # [2T] table rows, [2T] cache slots
+        timer.mark(step, "rows")
         loss = runner.forward(step, batch, slots, fwd_cfg, micro_step=micro)
         total += loss  # loss may be graph memory: accumulate before the next replay
+        timer.mark(step, "forward")
         parts.prefetch.issue(loader)  # next micro-batch's row-id exchange, hidden under the backward
         ngram_grad = runner.backward()
+        timer.mark(step, "backward")
         ngram.hold(ngram_grad, ids)  # summed into the store's row accumulator before the next replay
-    timer.mark(step, "micro_steps")
+        timer.mark(step, "hold")
     # ANVIL reduce-scatters read p.grad (graph buffers) before the next step's backward replay.
     parts.optimizer.step(step, plan.lr_mul, plan.momentum, plan.adam_step)
     if step == spec.untie_step and parts.optimizer.tied:

@@ -18,15 +18,22 @@ import torch
 from track_1_short.perf import compile_cache
 
 
+MICRO_PHASES = ("rows", "forward", "backward", "hold")  # marked once per micro-step by train_step
+
+
 class StepTimer:
     """Per-step and per-phase milliseconds without host syncs: a CUDA event at the start of each
     timed step, at the end of each of its phases (`mark`) and at its end, read once the run is
     over (host clock on CPU, where every op is synchronous anyway).
 
     A phase's time is the compute stream's time from the previous mark to its own: its kernels,
-    plus any gap in which the stream waited for the host. Marks of a step that was not started
-    are ignored (warmup steps run the same train_step untimed). train_step's marks, in order:
-    micro_steps, optimizer, ngram_update (event steps only)."""
+    plus any gap in which the stream waited for the host. A phase marked several times in a step
+    sums. Marks of a step that was not started are ignored (warmup steps run the same train_step
+    untimed). train_step's marks, in order: per micro-step MICRO_PHASES (rows: the loader's batch
+    and the n-gram row pull; forward: the forward replay; backward: the next micro-batch's row-id
+    exchange, the backward replay and the gradient handoff; hold: the n-gram gradient into the
+    store), then optimizer,
+    ngram_update (event steps only). `micro_steps` is derived: the sum of the MICRO_PHASES."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -64,8 +71,13 @@ class StepTimer:
         def elapsed_ms(a, b) -> float:
             return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
         self.ms[step] = elapsed_ms(marks[0][1], marks[-1][1])
-        self.phase_ms[step] = {phase: elapsed_ms(prev, t)
-                               for (_, prev), (phase, t) in zip(marks, marks[1:]) if phase != "end"}
+        phases: dict[str, float] = {}
+        for (_, prev), (phase, t) in zip(marks, marks[1:]):
+            if phase != "end":
+                phases[phase] = phases.get(phase, 0.0) + elapsed_ms(prev, t)
+        if any(p in phases for p in MICRO_PHASES):
+            phases["micro_steps"] = sum(phases.get(p, 0.0) for p in MICRO_PHASES)
+        self.phase_ms[step] = phases
 
     def resolve(self) -> dict[int, float]:
         """All step times (synchronizes once on CUDA); per-phase times land in `phase_ms`."""
