@@ -43,7 +43,7 @@ def _check_plan(schedule: Schedule):
     for use in key_uses(keys, visits):
         assert len(use.visits) >= 2, use
     # the first visits run a whole Adam window (opened, added to, updated) and a whole n-gram
-    # cycle from an empty ring to its event (every held-gradient ring slot), by the plan
+    # cycle from no held gradient to its event, by the plan
     plans = [schedule.plan(s) for s in range(schedule.num_steps)]
     first_adam = next(p.step for p in plans if p.adam_step)
     first_event = next(p.step for p in plans if p.ngram_event)

@@ -1,7 +1,7 @@
 """StepGraphs logic on CPU, over the CUDA-graph stand-in (capture_support.RecordingGraphBackend).
 
 Scope: static-input copies and output aliasing, gradient handoff (ANVIL direct, Adam and
-micro-step accumulators), the n-gram ring, seal, key/YaRN guards, the self-check,
+micro-step accumulators), the n-gram gradient as the graph's buffer, seal, key/YaRN guards, the self-check,
 capture-error translation, the eager twin's parity and `python -O` safety. The model, n-gram
 table, value-embed pull and optimizer are small FAKES with the real modules' contracts (the real
 ones are exercised on the GPU by tests/test_step_graphs_gpu.py), plus one `slow` test of the real

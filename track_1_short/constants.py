@@ -11,7 +11,7 @@ above model/ may import it (tests/test_layering.py enforces it).
 """
 
 REFERENCE_WORLD_SIZE = 8  # the speedrun's ranks: per-rank shapes are one of 8 ranks' (slices per step)
-# Most steps an n-gram gradient may be held before its update event: the length of the step
-# graphs' held-gradient ring, and the bound on the schedule's and the n-gram config's cycle.
+# Most steps an n-gram gradient may be held (accumulated) before its update event: the bound on
+# the schedule's n-gram cycle.
 MAX_CYCLE_STEPS = 8
 H200_DENSE_BF16_TFLOPS = 790.0  # measured on this workplace's H200s (8192^3 bf16 matmul): MFU denominator

@@ -78,8 +78,8 @@ def validate(run: Run, step: int) -> float:
 
 def _flush_gap(run: Run, visits: list[int], i: int) -> None:
     """The steps the visit plan skips after visit i would have applied the held n-gram gradients
-    (the plan's ngram_event steps); without this the next block overflows the ring
-    (NgramStore.max_held slots). Collective: every rank has the plan."""
+    (the plan's ngram_event steps); without this the next block holds more than the store's bound
+    (NgramStore.max_held gradients) and fails. Collective: every rank has the plan."""
     ngram, step = run.parts.ngram, visits[i]
     if ngram.num_pending and i + 1 < len(visits) and visits[i + 1] != step + 1:
         ngram.update_event(step, run.spec.plans[step].lr_mul)

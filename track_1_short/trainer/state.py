@@ -91,7 +91,7 @@ class RunSpec:
     @property
     def micro_steps(self) -> int:
         """Per rank per step (micro_steps_per_rank); given at construction to everything bounded
-        by it: GradHandoff (the step runner), the n-gram store's held bound and ring size."""
+        by it: GradHandoff (the step runner) and the n-gram store's held bound."""
         return micro_steps_per_rank(self.cfg.data.slices_per_step, self.ctx.world_size)
 
     @property

@@ -24,7 +24,8 @@ StepGraphs, visits drive the warmup loop (the same train_step as the timed run).
 Provenance: facts sections 3 and 5 (4 keys, warmup list of s-2..s+1 around each transition).
 Deviations: the list is derived, not written out; the span around each transition widens with the
 plan's cadences (`cadence_span`: through the first Adam step and the first n-gram event), so a
-whole Adam accumulation window (copy, adds, update) and every held-gradient ring slot are exercised.
+whole Adam accumulation window (copy, adds, update) and a whole n-gram cycle (its held gradients
+from none to the event) are exercised.
 """
 
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ def step_keys(schedule: Schedule, *, num_steps: int | None = None) -> list[StepG
 def cadence_span(schedule: Schedule) -> int:
     """Steps from step 0 through the later of the plan's first Adam step and first n-gram event
     (at least 2): those steps open an Adam window, add into it and update (every step kind the
-    handoff and the optimizer have), and fill the n-gram ring from empty to its event."""
+    handoff and the optimizer have), and hold n-gram gradients from none to their event."""
     steps = range(schedule.num_steps)
     first_adam = next((s for s in steps if schedule.plan(s).adam_step), schedule.num_steps - 1)
     first_event = next(s for s in steps if schedule.plan(s).ngram_event)  # the last step has one
