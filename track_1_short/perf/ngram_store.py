@@ -214,14 +214,15 @@ class NgramStore(nn.Module):
         ids = lookup.row_ids(inputs) if ids is None else ids
         n = ids.numel()
         lookup.check_capacity(n)
+        cache = lookup.cache[:n]  # [2T, R], contiguous: the gathers write it directly
         if self.world_size == 1:
-            lookup.cache[:n].copy_(self.table[ids])
+            torch.index_select(self.table, 0, ids, out=cache)
         else:
             if request is None:
                 request = self.request_rows(ids)
             elif request.ids is not ids:
                 raise RuntimeError("slots_for: the row request was made for other ids (prefetch order)")
-            lookup.cache[:n].copy_(self._pull_rows(request)[request.inverse])
+            torch.index_select(self._pull_rows(request), 0, request.inverse, out=cache)
         return lookup.slots(inputs)
 
     # ---- held gradients and update events (eager, after the backward) ----
