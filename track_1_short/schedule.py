@@ -282,6 +282,15 @@ class Schedule:
         return held
 
     @property
+    def untie_step(self) -> int | None:
+        """Embed and lm_head untie after this step's update: ScheduleConfig.untie_step, else
+        facts 3: the start of the third stage, made odd so it is an Adam step (847 in the
+        speedrun); None with fewer than 3 stages."""
+        if self.cfg.untie_step is not None:
+            return self.cfg.untie_step
+        return self.stage_starts[2] | 1 if len(self.stage_starts) >= 3 else None
+
+    @property
     def checkpoint_period(self) -> int:
         """Steps between the boundaries where nothing is held (StepPlan.nothing_held: an Adam step
         that is also an n-gram event): --save-every must be a multiple of it. The forced event of

@@ -65,17 +65,9 @@ def forward_configs(plans: list[StepPlan], device: torch.device) -> tuple[Forwar
 
 
 def untie_step(cfg: RunConfig, schedule: Schedule) -> int | None:
-    """Facts 3: embed and lm_head untie at the start of the third stage, made odd so it is an Adam
-    step (847 in the speedrun), unless ScheduleConfig.untie_step names the step. None with fewer
-    than 3 stages (and no untie_step), and for the AdamW baseline, whose embed and lm_head are
-    separate parameters from the start."""
-    if cfg.train.optimizer == "adamw":
-        return None
-    if cfg.schedule.untie_step is not None:
-        return cfg.schedule.untie_step
-    if len(schedule.stage_starts) < 3:
-        return None
-    return schedule.stage_starts[2] | 1
+    """The schedule's untie step (Schedule.untie_step); None for the AdamW baseline, whose embed
+    and lm_head are separate parameters from the start."""
+    return None if cfg.train.optimizer == "adamw" else schedule.untie_step
 
 
 def make_spec(cfg: RunConfig, ctx: DistributedContext, run_dir) -> RunSpec:
