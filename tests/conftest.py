@@ -1,9 +1,11 @@
-"""Shared fixtures: small synthetic shard dirs (fast, any content) and the real embedded corpus."""
+"""Shared fixtures: small synthetic shard dirs (fast, any content), the real embedded corpus, and
+float32 CUDA matmuls without TF32 (the GPU optimizer tests)."""
 
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from track_1_short.data import BOS_ID, write_shard
 
@@ -33,3 +35,12 @@ def embedded_dir() -> Path:
     if not (path / "manifest.json").is_file():
         pytest.skip("data/embedded not prepared (run ./test.sh or python -m track_1_short.prepare)")
     return path
+
+
+@pytest.fixture
+def fp32_matmuls():
+    """CUDA matmuls in true float32 (TF32 off) for the test, restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved

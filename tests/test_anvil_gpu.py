@@ -26,14 +26,6 @@ def _cuda_tiny(dtype):
     return Tiny(vocab=96, dim=64, dtype=dtype).cuda()
 
 
-@pytest.fixture
-def fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.parametrize("dtype, ortho, rtol", [(torch.float32, "float32", 1e-4),
                                                 (torch.bfloat16, "auto", 2e-2)])
 def test_compiled_matches_eager_without_recompiles(dtype, ortho, rtol, fp32_matmuls):

@@ -22,7 +22,7 @@ import torch
 
 from tests.mp_utils import rerun_in_child
 from tests.test_anvil_fused import _opt
-from tests.test_anvil_math import Tiny
+from tests.test_anvil_gpu import _cuda_tiny
 from tests.test_optimizer_graphs import PLANS, UNTIE_AFTER, Producer, run, step_once
 from track_1_short.optim.step_values import RING_SLOTS
 from track_1_short.perf.cuda_graphs.capture_support import CaptureError
@@ -31,18 +31,6 @@ from track_1_short.perf.cuda_graphs.optimizer_graphs import (
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-
-def _cuda_tiny(dtype):
-    return Tiny(vocab=96, dim=64, dtype=dtype).cuda()
-
-
-@pytest.fixture
-def fp32_matmuls():
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _graphs(model, grad_inputs="stage", **anvil):
