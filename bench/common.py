@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import results_io
 from track_1_short import config as config_mod
 from track_1_short.atomic_io import write_json_atomic
 from track_1_short.model.tokens import BOS_ID, GPT2_VOCAB
@@ -288,8 +288,8 @@ def reset_peak(device: torch.device) -> None:
 # ---------------------------------------------------------------- provenance and output
 
 def command() -> str:
-    prefix = "PYTHONPATH=" + os.environ["PYTHONPATH"] + " " if os.environ.get("PYTHONPATH") else ""
-    return prefix + shlex.join([Path(sys.executable).name, *sys.argv])
+    """This process's command line (PYTHONPATH kept), run by the running interpreter."""
+    return results_io.command_line(Path(sys.executable).name)
 
 
 def machine_info(device: torch.device) -> dict:

@@ -32,8 +32,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.results_io import (InputError, StepBench, builder_command, dig, load_step_benches,
-                              ratio, run_main, spread, today, write_result)
+from bench.results_io import (InputError, StepBench, add_output_args, builder_command, dig,
+                              load_step_benches, parse_stages, ratio, run_main, spread, today,
+                              write_result)
 
 STAGES = ("A", "B", "C", "D")
 
@@ -74,15 +75,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/host_bound.py", description=__doc__.split("\n")[0])
     p.add_argument("--step", type=Path, action="append", required=True, metavar="STEP_JSON",
                    help="a bench/step.py result (--micro-steps 1 --graphs on,off), once per stage")
-    p.add_argument("--stages", default="A,C", help="stages to build (default A,C)")
-    p.add_argument("--machine", default="h200", help="machine name for the file name (default h200)")
-    p.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
-    p.add_argument("--script", default=None, help="the device script that produced the inputs")
-    p.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    add_output_args(p, stages="A,C")
     args = p.parse_args(argv)
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    if not args.stages or any(s not in STAGES for s in args.stages):
-        p.error(f"--stages {','.join(args.stages)}: choose from {','.join(STAGES)}")
+    args.stages = parse_stages(p, args.stages, STAGES)
     return args
 
 

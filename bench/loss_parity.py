@@ -53,7 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.results_io import InputError, builder_command, load_json, run_main, today, write_result
+from bench.results_io import (InputError, add_output_args, builder_command, load_json, run_main,
+                              today, write_result)
 from track_1_short import config as config_mod
 from track_1_short import report
 from track_1_short.data import (BOS_ID, HEADER_BYTES, DataError, SliceShape, TrainStream, list_shards,
@@ -283,9 +284,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the harness's loss.jsonl (run.sh loss), or its OUT_DIR")
     b.add_argument("--data-dir", type=Path, required=True, help="the shards both runs trained on")
     b.add_argument("--corpus", default=None, help="corpus name for the file name (default: the data dir's)")
-    b.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
-    b.add_argument("--script", default=None, help="the device script that produced the inputs")
-    b.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    add_output_args(b)
     a = sub.add_parser("anchor-args", help="run.sh KEY=VALUE settings matching a preset")
     a.add_argument("--preset", default="small-gpu", choices=config_mod.PRESETS)
     a.add_argument("--data-dir", type=Path, required=True)

@@ -20,6 +20,7 @@ Torch-free, so the builders and their tests run anywhere; nothing runs at import
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -132,10 +133,35 @@ def load_record_timing(path: Path) -> dict:
     return data
 
 
-def builder_command() -> str:
-    """This process's command line as it was typed from the repo root (PYTHONPATH kept)."""
+def command_line(interpreter: str) -> str:
+    """This process's command line as typed from the repo root (PYTHONPATH kept), run by
+    `interpreter` (the one definition: bench/common.command() names the running executable)."""
     prefix = f"PYTHONPATH={os.environ['PYTHONPATH']} " if os.environ.get("PYTHONPATH") else ""
-    return prefix + shlex.join(["python", *sys.argv])
+    return prefix + shlex.join([interpreter, *sys.argv])
+
+
+def builder_command() -> str:
+    """A builder's command line, as its docstring tells it to be run."""
+    return command_line("python")
+
+
+def add_output_args(p: argparse.ArgumentParser, stages: str | None = None) -> None:
+    """The flags every builder shares: --date, --script, --out-dir, and with `stages` (the
+    default list) --stages and --machine."""
+    if stages is not None:
+        p.add_argument("--stages", default=stages, help=f"stages to build (default {stages})")
+        p.add_argument("--machine", default="h200", help="machine name for the file name (default h200)")
+    p.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
+    p.add_argument("--script", default=None, help="the device script that produced the inputs")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+
+
+def parse_stages(p: argparse.ArgumentParser, value: str, allowed, why: str = "") -> list[str]:
+    """--stages "A,C" -> ["A", "C"]; p.error (exit 2) naming the choices if one is not allowed."""
+    stages = [s.strip() for s in value.split(",") if s.strip()]
+    if not stages or any(s not in allowed for s in stages):
+        p.error(f"--stages {','.join(stages)}: choose from {','.join(sorted(allowed))}{why}")
+    return stages
 
 
 def today() -> str:

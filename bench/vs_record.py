@@ -72,8 +72,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from bench.results_io import (InputError, StepBench, builder_command, dig, load_record_timing,
-                              load_step_benches, ratio, run_main, spread, today, write_result)
+from bench.results_io import (InputError, StepBench, add_output_args, builder_command, dig,
+                              load_record_timing, load_step_benches, parse_stages, ratio, run_main,
+                              spread, today, write_result)
 
 RECORD_STAGE = {"A": "0", "C": "2"}  # our stage -> the record's TRAINING_STAGES index (same shapes)
 
@@ -158,18 +159,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the record harness's timing.json (run.sh timing TIMING_STAGES=0,2)")
     p.add_argument("--ours", type=Path, action="append", required=True, metavar="STEP_JSON",
                    help="a bench/step.py result, once per stage")
-    p.add_argument("--stages", default="A,C", help="stages to build (default A,C)")
     p.add_argument("--graphs", default="on", choices=("on", "off"), help="our variant (default on)")
-    p.add_argument("--machine", default="h200", help="machine name for the file name (default h200)")
-    p.add_argument("--date", default=None, help="date for the file name (default today, UTC)")
-    p.add_argument("--script", default=None, help="the device script that produced the inputs")
-    p.add_argument("--out-dir", type=Path, default=Path("docs/results"))
+    add_output_args(p, stages="A,C")
     args = p.parse_args(argv)
-    args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = [s for s in args.stages if s not in RECORD_STAGE]
-    if bad or not args.stages:
-        p.error(f"--stages {','.join(args.stages)}: choose from {sorted(RECORD_STAGE)} (the record "
-                "harness times its stages 0 and 2 as ours A and C)")
+    args.stages = parse_stages(p, args.stages, RECORD_STAGE, " (the record harness times its "
+                               "stages 0 and 2 as ours A and C)")
     return args
 
 
