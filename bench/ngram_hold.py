@@ -29,7 +29,7 @@ import torch
 
 from bench import common
 from track_1_short import atomic_io
-from track_1_short.data import DataError, list_shards
+from track_1_short.data import DataError, list_shards, read_shard
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.perf.ngram_store import NgramStore
@@ -40,7 +40,6 @@ MICRO_BATCHES = 8
 
 class UsageError(Exception):
     """A bad flag or input: main() prints it and exits 2."""
-HEADER_BYTES = 256 * 4  # the shard header (data.write_shard)
 
 
 def tokens(args, count: int) -> np.ndarray:
@@ -49,9 +48,9 @@ def tokens(args, count: int) -> np.ndarray:
         return np.random.default_rng(0).integers(0, 500, count).astype(np.int32)
     try:
         shards = list_shards(Path(args.data_dir), "train")
+        tok = read_shard(shards[0]).numpy()[:count]  # validated: header, size, token range
     except DataError as e:
         raise UsageError(f"--data-dir: {e}") from None
-    tok = np.fromfile(shards[0], dtype=np.uint16, offset=HEADER_BYTES)[:count]
     if tok.size < count:
         raise UsageError(f"--data-dir: {shards[0]} holds {tok.size} tokens < the {count} needed; "
                          f"use a larger corpus")
