@@ -29,7 +29,15 @@ largest size among them, at `max_gap_step`.
 Output: command {script, builder, record}, corpus, corpus_tokens, val_tokens,
 val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
 token_count_bound}, val [{step, ours, record}] at the steps both validated,
-max_gap_before_repeat, max_gap_step, complete {ours, record}.
+max_gap_before_repeat, max_gap_step, transitions, complete {ours, record}.
+
+transitions: per stage boundary b (the first step of a stage) whose window [b-5, b+5) lies
+before the first repeat, the train objective (the step's loss with its MTP and prefix terms, as
+both trainers log it; ours needs --log-every 1, the harness logs every step near a boundary) of
+each side: `before` (mean of steps b-5..b-1), `after` (steps b..b+4), `jump` = max(after) -
+before, `recovered_at` (the first step >= b at or below `before`, null within the logged steps);
+steps are 0-based on both sides (the harness's train record `step: k` is step k-1 done). A side
+without every step of the window logged gives null.
 
 Subcommands:
   build        the JSON above (scripts/gpu/loss_parity.sh after both runs)
@@ -162,7 +170,8 @@ def corpus(data_dir: Path) -> tuple[list[Path], list[Path], int, int]:
 
 
 def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
-    """(config.json, val records of metrics.jsonl, summary.json or None) of a trainer run dir."""
+    """(config.json, val and train records of metrics.jsonl, summary.json or None) of a trainer
+    run dir."""
     run_dir = Path(run_dir)
     hint = "pass the run dir of `python -m track_1_short.train` (RUNS_DIR/RUN_ID)"
     cfg = load_json(run_dir / "config.json", "a trainer run dir's config.json", hint)
@@ -171,8 +180,9 @@ def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
     if not (run_dir / "metrics.jsonl").is_file():
         raise InputError(f"{run_dir / 'metrics.jsonl'} does not exist: the run stopped before its "
                          f"first log line; see its train.log")
-    val = [r for r in report.MetricsLog.read(run_dir) if r.get("kind") == "val"]
-    if not val:
+    records = report.MetricsLog.read(run_dir)
+    val = [r for r in records if r.get("kind") in ("val", "train")]
+    if not any(r["kind"] == "val" for r in val):
         raise InputError(f"{run_dir / 'metrics.jsonl'} has no validation record: the run stopped "
                          "before its first validation, or ran with validation off")
     summary = run_dir / "summary.json"
@@ -194,6 +204,40 @@ def load_record(path: Path) -> tuple[dict, dict, Path]:
     return curve, summary, loss_json
 
 
+def record_train_losses(loss_jsonl: Path) -> dict[int, float]:
+    """0-based step -> train objective of the harness's loss.jsonl (`step: k` is step k-1 done)."""
+    out = {}
+    for line in loss_jsonl.read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if r.get("kind") == "train":
+            out[r["step"] - 1] = r["train_loss"]
+    return out
+
+
+TRANSITION_WINDOW = 5  # steps on each side of a stage boundary
+
+
+def transition(losses: dict[int, float], b: int, window: int = TRANSITION_WINDOW) -> dict | None:
+    """The train objective around boundary step b (module docstring), None without every step."""
+    steps = range(b - window, b + window)
+    if not all(s in losses for s in steps):
+        return None
+    before = float(np.mean([losses[s] for s in range(b - window, b)]))
+    after = [losses[s] for s in range(b, b + window)]
+    recovered = next((s for s in sorted(losses) if s >= b and losses[s] <= before), None)
+    return {"before": before, "after": after, "jump": max(after) - before, "recovered_at": recovered}
+
+
+def transitions(ours: dict[int, float], record: dict[int, float], bounds: list[list[int]],
+                repeat_at: int | None) -> list[dict]:
+    out = []
+    for start, _ in bounds[1:]:
+        if repeat_at is not None and start + TRANSITION_WINDOW > repeat_at:
+            break
+        out.append({"step": start, "ours": transition(ours, start), "record": transition(record, start)})
+    return out
+
+
 def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
     if ours != record:
         raise InputError(f"not the same {what}: ours {ours!r} ({ours_src}), the record's {record!r} "
@@ -203,7 +247,9 @@ def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
 # ---------------------------------------------------------------- build
 
 def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, script: str | None) -> dict:
-    cfg, ours_val, summary = load_ours(ours_dir)
+    cfg, ours_rows, summary = load_ours(ours_dir)
+    ours_val = [r for r in ours_rows if r["kind"] == "val"]
+    ours_train = {r["step"]: r["loss"] for r in ours_rows if r["kind"] == "train"}
     record_curve, rec, loss_json = load_record(record_path)
     train, val_shards, train_tokens, val_tokens = corpus(data_dir)
     src_ours, src_rec = str(Path(ours_dir) / "config.json"), str(loss_json)
@@ -245,6 +291,8 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "val": points,
             "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
             "max_gap_step": worst["step"] if worst else None,
+            "transitions": transitions(ours_train, record_train_losses(loss_json.with_name("loss.jsonl")),
+                                       boundaries(shapes), repeat_at),
             "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
 
 

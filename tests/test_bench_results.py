@@ -309,6 +309,28 @@ def test_loss_parity_pairs_common_steps_and_finds_the_gap_before_the_first_repea
     assert out["command"]["record"] == "run.sh loss ITERS=..."
 
 
+def test_transition_jump_recovery_and_the_record_step_convention(tmp_path):
+    """The train objective around a stage boundary: the mean of the 5 steps before, the largest of
+    the 5 after minus it, the first step back at or below it; the harness's `step: k` is step k-1;
+    a window with a step missing, or past the first repeat, gives nothing."""
+    ours = {s: 4.0 for s in range(55, 60)} | {60: 5.5, 61: 5.0, 62: 4.5, 63: 4.2, 64: 3.9, 65: 3.8}
+    t = loss_parity.transition(ours, 60)
+    assert t == {"before": 4.0, "after": [5.5, 5.0, 4.5, 4.2, 3.9], "jump": pytest.approx(1.5),
+                 "recovered_at": 64}
+    assert loss_parity.transition({s: v for s, v in ours.items() if s != 57}, 60) is None
+    assert loss_parity.transition({s: 1.0 for s in range(55, 60)} | {s: 2.0 for s in range(60, 65)},
+                                  60)["recovered_at"] is None
+    path = tmp_path / "loss.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "warmup", "step": 0}, {"kind": "train", "step": 60, "train_loss": 4.0},
+        {"kind": "val", "step": 60, "val_loss": 5.0}, {"kind": "train", "step": 61, "train_loss": 4.5})))
+    assert loss_parity.record_train_losses(path) == {59: 4.0, 60: 4.5}
+    bounds = [[0, 60], [60, 120], [120, 180]]
+    both = loss_parity.transitions(ours, ours, bounds, repeat_at=103)
+    assert [b["step"] for b in both] == [60] and both[0]["ours"] == both[0]["record"] == t
+    assert loss_parity.transitions(ours, ours, bounds, repeat_at=62) == []
+
+
 def test_loss_parity_refuses_runs_that_are_not_comparable(tmp_path, capsys):
     data = _corpus(tmp_path / "tiny", [50])
     ours = _our_run(tmp_path / "ours", data, {0: 10.0})

@@ -191,10 +191,9 @@ def test_build_end_to_end_deterministic_idempotent(tmp_path, capsys):
     pkgs = make_packages(tmp_path / "pkgs")
     stats = _build(tmp_path / "a", pkgs)
     train_tokens = read_shard(list_shards(tmp_path / "a", "train")[0]).numpy()
-    train_emb, val_emb = fake_embedded()
+    _, val_emb = fake_embedded()
     assert np.array_equal(read_shard(list_shards(tmp_path / "a", "val")[0]).numpy(),
                           np.concatenate(val_emb)), "validation = the embedded validation documents"
-    assert np.array_equal(train_tokens[:sum(d.size for d in train_emb)], np.concatenate(train_emb))
     assert stats["train_docs"] == int((train_tokens == BOS_ID).sum())
     assert sum(s["tokens"] for s in stats["sources"].values()) == stats["train_tokens"]
     assert stats["train_tokens"] == train_tokens.size
@@ -213,6 +212,31 @@ def test_build_end_to_end_deterministic_idempotent(tmp_path, capsys):
     _build(tmp_path / "a", pkgs, force=True)
     assert "nothing to do" not in capsys.readouterr().out
     assert all(p.stat().st_mtime_ns != mtimes[p.name] for p in (tmp_path / "a").glob("*.bin"))
+
+
+def _train_docs(out: Path) -> list[bytes]:
+    tokens = _train_tokens(out)
+    starts = list(np.flatnonzero(tokens == BOS_ID)) + [tokens.size]
+    return [tokens[a:b].tobytes() for a, b in zip(starts, starts[1:])]
+
+
+def test_train_documents_of_all_sources_are_mixed_in_a_seeded_order(tmp_path):
+    """The train shard is the grouped documents (embedded first, then each source) in one
+    seeded random order: the same documents, each once; the embedded ones no longer a prefix;
+    another seed another order; shuffle_seed=None the grouped order."""
+    pkgs = make_packages(tmp_path / "pkgs")
+    _build(tmp_path / "grouped", pkgs, shuffle_seed=None)
+    _build(tmp_path / "mixed", pkgs)
+    _build(tmp_path / "other", pkgs, shuffle_seed=7)
+    grouped, mixed, other = (_train_docs(tmp_path / d) for d in ("grouped", "mixed", "other"))
+    train_emb = [d.tobytes() for d in fake_embedded()[0]]
+    assert grouped[:len(train_emb)] == train_emb, "unshuffled: the embedded documents first"
+    assert sorted(mixed) == sorted(grouped) == sorted(other) and len(mixed) > 10
+    assert mixed != grouped and other != mixed
+    where = sorted(mixed.index(d) for d in train_emb)
+    assert where != list(range(len(train_emb))), "the embedded documents are spread, not a prefix"
+    settings = json.loads((tmp_path / "mixed" / MANIFEST).read_text())["settings"]
+    assert settings["shuffle_seed"] == cl.LargeCorpusConfig().shuffle_seed
 
 
 def test_rebuild_with_smaller_shards_and_settings_change(tmp_path):

@@ -151,8 +151,10 @@ def prepare_embedded(out_dir: Path, cfg: EmbeddedCorpusConfig, force: bool = Fal
 def prepare_embedded_large(out_dir: Path, cfg: EmbeddedCorpusConfig, package_dir: Path,
                            shard_tokens: int = DEFAULT_SHARD_TOKENS, force: bool = False) -> dict:
     """The embedded corpus (same documents, same validation) plus the registry texts of
-    corpus_large.py, joined to documents of at least cfg.min_doc_chars."""
-    large = corpus_large.LargeCorpusConfig(min_doc_chars=cfg.min_doc_chars, shard_tokens=shard_tokens)
+    corpus_large.py, joined to documents of at least cfg.min_doc_chars; the train documents of
+    all sources in one order seeded by cfg.seed (the validation split's seed)."""
+    large = corpus_large.LargeCorpusConfig(min_doc_chars=cfg.min_doc_chars, shard_tokens=shard_tokens,
+                                           shuffle_seed=cfg.seed)
     return corpus_large.prepare_large(out_dir, large, package_dir, embedded_settings(cfg),
                                       lambda: embedded_split(cfg), force)
 
@@ -220,8 +222,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         + ", ".join(f"{d} for {s}" for s, d in SOURCES.items()) + ")")
     p.add_argument("--force", action="store_true", help="rebuild even if the output dir is complete")
     p.add_argument("--seed", type=int, default=None,
-                   help=f"embedded, embedded-large, files: validation split seed "
-                        f"(default {DEFAULT_VAL_SEED})")
+                   help=f"embedded, embedded-large, files: validation split seed; for "
+                        f"embedded-large also the train documents' order (default {DEFAULT_VAL_SEED})")
     p.add_argument("--train-shards", type=int, default=None,
                    help="fineweb: number of 100M-token train shards (default 9)")
     files = p.add_argument_group("--source files")

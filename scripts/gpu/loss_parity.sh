@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Our val loss against the record's on the same corpus, schedule and validation tokens, one H200,
 # one device call from the repo root ($OUT: the tool's folder):
-#   bash scripts/gpu/loss_parity.sh [run|warmup]
+#   bash scripts/gpu/loss_parity.sh [run|warmup]      (MAX_STEPS=N: ours stops after N steps)
 #   carry [".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken", "data/embedded-large"]
 #   (scripts/gpu/prepare_carry.sh fills them on the CPU machine)
 # run (default), the two trainers side by side (loss does not depend on timing, and one after the
@@ -12,7 +12,11 @@
 #   VAL_TOKENS=196608, i.e. stage boundaries 60/120/180/188), VAL_BACKEND=aot_eager (cheaper eval
 #   compile; eager bf16 numerics in its validation, PATCHES.md);
 # - ours, `track_1_short.train --preset small-gpu --graphs on` on the same shards, validation every
-#   10 steps on the same tokens (the same val shard, 6 batches of 32,768 = the first 196,608 + 1);
+#   10 steps on the same tokens (the same val shard, 6 batches of 32,768 = the first 196,608 + 1),
+#   the train objective logged every step (the stage transitions); MAX_STEPS=N cuts ours after N
+#   steps of the same schedule (--max-steps: only the keys and validation windows of those steps
+#   compile), e.g. MAX_STEPS=110 for the points before the data repeats (step ~103-107 on
+#   embedded-large) on a cold machine, where both full runs do not fit one call;
 # then bench/loss_parity.py build -> $OUT/loss_parity_embedded-large_<date>.json and `report
 # compare --record` -> $OUT/compare/ (compare.json, val_loss_compare.png); run dir, the record's
 # loss.jsonl / loss.json and the logs in results.tgz.
@@ -44,7 +48,7 @@ echo "record settings: ${ANCHOR_ARGS[*]}" | tee "$L/settings.log"
 id=small-gpu-parity
 ours=(python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" --graphs on
       --val-every "$VAL_EVERY" --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ"
-      --runs-dir "$OUT/runs" --no-save-final)
+      --runs-dir "$OUT/runs" --no-save-final --log-every 1 ${MAX_STEPS:+--max-steps "$MAX_STEPS"})
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
 if [[ "$MODE" == warmup ]]; then
