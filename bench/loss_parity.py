@@ -26,7 +26,8 @@ validation at step s runs before step s trains, so the points with step <= repea
 no repeated token on either side; `max_gap_before_repeat` is the signed (ours - record) gap of
 largest size among them, at `max_gap_step`.
 
-Output: command {script, builder, record}, corpus, corpus_tokens, val_tokens,
+Output (loss_parity_<corpus>[_<variant>]_<date>.json): command {script, builder, record}, corpus,
+[variant,] corpus_tokens, val_tokens,
 val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
 token_count_bound}, val [{step, ours, record}] at the steps both validated,
 max_gap_before_repeat, max_gap_step, transitions, complete {ours, record}.
@@ -191,12 +192,15 @@ def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
 
 def load_record(path: Path) -> tuple[dict, dict, Path]:
     """(val curve, loss.json, its path) of the harness's `run.sh loss` output (loss.jsonl or its
-    folder)."""
+    folder; a renamed copy NAME.jsonl reads NAME.json beside it, e.g. a committed record curve)."""
     try:
         curve = report.read_record_val_curve(path)
     except ValueError as e:
         raise InputError(f"--record: {e}") from None
-    loss_json = Path(curve["source"]).with_name("loss.json")
+    source = Path(curve["source"])  # loss.jsonl, or a copy such as record_loss.jsonl
+    loss_json = source.with_suffix(".json")
+    if not loss_json.is_file():
+        loss_json = source.with_name("loss.json")
     summary = load_json(loss_json, "the harness's loss.json beside its loss.jsonl",
                         "the harness writes it next to loss.jsonl, also when the run is cut")
     if summary.get("mode") != "loss":
@@ -291,7 +295,7 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "val": points,
             "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
             "max_gap_step": worst["step"] if worst else None,
-            "transitions": transitions(ours_train, record_train_losses(loss_json.with_name("loss.jsonl")),
+            "transitions": transitions(ours_train, record_train_losses(Path(record_curve["source"])),
                                        boundaries(shapes), repeat_at),
             "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
 
@@ -332,6 +336,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the harness's loss.jsonl (run.sh loss), or its OUT_DIR")
     b.add_argument("--data-dir", type=Path, required=True, help="the shards both runs trained on")
     b.add_argument("--corpus", default=None, help="corpus name for the file name (default: the data dir's)")
+    b.add_argument("--variant", default=None,
+                   help="our run's variant (an ablation's name): in the file name, "
+                        "loss_parity_<corpus>_<variant>_<date>.json, and as `variant`")
     add_output_args(b)
     a = sub.add_parser("anchor-args", help="run.sh KEY=VALUE settings matching a preset")
     a.add_argument("--preset", default="small-gpu", choices=config_mod.PRESETS)
@@ -350,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = args.corpus or args.data_dir.resolve().name
     result = build(args.ours, args.record, args.data_dir, name, args.script)
-    write_result(args.out_dir, f"loss_parity_{name}_{args.date or today()}.json", result)
+    stem = f"loss_parity_{name}"
+    if args.variant:
+        result["variant"] = args.variant
+        stem += f"_{args.variant}"
+    write_result(args.out_dir, f"{stem}_{args.date or today()}.json", result)
     print(f"repeats at step {result['repeats_at_step']} ({result['repeats']}); max gap before it "
           f"{result['max_gap_before_repeat']} at step {result['max_gap_step']}")
     return 0

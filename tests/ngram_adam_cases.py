@@ -34,9 +34,9 @@ T, R = 24, 12  # tokens per micro-batch, row width (not a power of two)
 VOCAB = 64
 
 
-def _store(kernel: bool, micro_steps: int) -> NgramStore:
-    cfg = NgramConfig(dim=R, vocab_size=VOCAB, bigram_rows=23, trigram_rows=20, cache_rows=2 * T,
-                      bos_id=VOCAB - 1)  # N = 43 rows: not a multiple of 4
+def _store(kernel: bool, micro_steps: int, update: str = "lazy") -> NgramStore:
+    cfg = NgramConfig(dim=R, vocab_size=VOCAB, bigram_rows=61, trigram_rows=50, cache_rows=2 * T,
+                      bos_id=VOCAB - 1, update=update)  # N = 111 rows: not a multiple of 4
     store = NgramStore(NgramLookup(cfg), cycle=2, micro_steps=micro_steps)
     store.event_kernel = sparse_adam_rows if kernel else None
     return store
@@ -46,23 +46,29 @@ def test_runs_interpreted():
     assert interpreted()
 
 
-@pytest.mark.parametrize("micro_steps", [1, 3])
-def test_event_kernel_equals_the_reference(micro_steps):
+@pytest.mark.parametrize("micro_steps,update", [(1, "lazy"), (3, "lazy"), (1, "dense"), (3, "dense")])
+def test_event_kernel_equals_the_reference(micro_steps, update):
+    """Lazy: a row moves only in the events it was touched for; dense: a row touched earlier keeps
+    moving (its momentum); never-touched rows stay bit-equal in both."""
     g = torch.Generator().manual_seed(micro_steps)
-    kernel, reference = _store(True, micro_steps), _store(False, micro_steps)
+    kernel, reference = _store(True, micro_steps, update), _store(False, micro_steps, update)
     init = torch.randn(kernel.table.shape, generator=g)
     for s in (kernel, reference):
         s.table.copy_(init)
     untouched_ever = torch.ones(kernel.cfg.num_rows, dtype=torch.bool)
     for event, lr_scale in enumerate((1.0, 0.7, 0.3)):
+        touched_now = torch.zeros(kernel.cfg.num_rows, dtype=torch.bool)
         for _ in range(2 * micro_steps):  # one cycle: 2 steps of micro_steps
-            # few distinct tokens: row ids repeat inside the micro-batch and across micro-steps
-            inputs = torch.randint(0, 6, (T,), generator=g, dtype=torch.int32)
+            # few distinct tokens: row ids repeat inside the micro-batch and across micro-steps;
+            # event 1 draws other tokens, so some rows were touched only in event 0
+            lo = 4 * (event == 1)
+            inputs = torch.randint(lo, lo + 4, (T,), generator=g, dtype=torch.int32)
             ids = kernel.lookup.row_ids(inputs)
             grad = torch.randn(2 * T, R, generator=g)
             for s in (kernel, reference):
                 s.hold(grad, ids)
             untouched_ever[ids] = False
+            touched_now[ids] = True
         assert kernel.touched.sum() == reference.touched.sum() > 0
         before = kernel.table.clone()
         for s in (kernel, reference):
@@ -71,6 +77,11 @@ def test_event_kernel_equals_the_reference(micro_steps):
             torch.testing.assert_close(getattr(kernel, name), getattr(reference, name),
                                        rtol=2e-6, atol=2e-6, msg=f"event {event}: {name}")
         assert torch.equal(kernel.table[untouched_ever], before[untouched_ever])
+        earlier = ~untouched_ever & ~touched_now  # touched in an earlier event, not in this one
+        if event > 0:
+            assert earlier.any(), "the case must have rows touched only earlier"
+            moved = (kernel.table[earlier] != before[earlier]).any(1)
+            assert moved.all() if update == "dense" else not moved.any(), update
         assert untouched_ever.any(), "the case must leave some rows untouched"
         assert not kernel.grad_acc.any() and not kernel.touched.any()
         assert int(kernel.num_updates) == event + 1

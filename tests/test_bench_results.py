@@ -13,6 +13,7 @@ Hardware: CPU, ~5 s. Run: `.venv/bin/python -m pytest tests/test_bench_results.p
 """
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -329,6 +330,25 @@ def test_transition_jump_recovery_and_the_record_step_convention(tmp_path):
     both = loss_parity.transitions(ours, ours, bounds, repeat_at=103)
     assert [b["step"] for b in both] == [60] and both[0]["ours"] == both[0]["record"] == t
     assert loss_parity.transitions(ours, ours, bounds, repeat_at=62) == []
+
+
+def test_loss_parity_reads_a_renamed_copy_of_the_record_curve(tmp_path):
+    """NAME.jsonl reads NAME.json beside it (a record curve committed under docs/results), and
+    gives the same result as the harness's own loss.jsonl / loss.json."""
+    data = _corpus(tmp_path / "tiny", [50])
+    ours = _our_run(tmp_path / "ours", data, {0: 10.0, 2: 8.0})
+    record = _record_run(tmp_path / "anchor", data, {0: 10.1, 2: 7.5})
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    shutil.copy(record / "loss.jsonl", kept / "record_loss.jsonl")
+    shutil.copy(record / "loss.json", kept / "record_loss.json")
+    out = tmp_path / "out" / "loss_parity_tiny_2026-12-01.json"
+    assert _loss_parity(tmp_path, ours, record, data) == 0
+    first = json.loads(out.read_text())
+    assert _loss_parity(tmp_path, ours, kept / "record_loss.jsonl", data) == 0
+    second = json.loads(out.read_text())
+    assert {k: v for k, v in first.items() if k != "command"} == \
+        {k: v for k, v in second.items() if k != "command"}
 
 
 def test_loss_parity_refuses_runs_that_are_not_comparable(tmp_path, capsys):

@@ -2,6 +2,7 @@
 CPU only, < 1 s; run: pytest tests/test_config.py"""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -67,3 +68,34 @@ def test_one_cadence_source():
         dataclasses.replace(cfg, schedule=ScheduleConfig(stages=cfg.schedule.stages),
                             train=dataclasses.replace(cfg.train, optimizer="adamw"))
     assert not hasattr(cfg.optim, "adam_every") and not hasattr(cfg.model.ngram, "cycle")
+
+
+def test_set_reaches_any_scalar_field_after_the_other_flags():
+    cfg = config_mod.parse([
+        "--preset", "small-gpu", "--max-steps", "7", "--set", "model.attn_out_init=uniform",
+        "--set", "model.ngram.trigram_rows=1000", "--set", "optim.lr=0.02",
+        "--set", "model.fp8.enabled=true", "--set", "model.long_window_layers=3,10",
+        "--set", "train.max_steps=none", "--set", "data.data_dir=/tmp/x"])
+    assert cfg.model.attn_out_init == "uniform" and cfg.model.ngram.trigram_rows == 1000
+    assert cfg.optim.lr == 0.02 and cfg.model.fp8.enabled is True
+    assert cfg.model.long_window_layers == (3, 10) and cfg.train.max_steps is None  # after --max-steps
+    assert str(cfg.data.data_dir) == "/tmp/x"
+    assert config_mod.preset("small-gpu").model.attn_out_init == "zero"  # the preset is untouched
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("model.nope=1", r"model has no field 'nope' \(fields: .*attn_out_init"),
+    ("nope.x=1", "the run config has no field 'nope'"),
+    ("model.ngram.trigram_rows=abc", "trigram_rows=abc: not a valid int"),
+    ("model.fp8.enabled=maybe", "not a valid bool"),
+    ("model", "expected SECTION.FIELD=VALUE"),
+    ("model.ngram.dtype=float16", "cannot be set from the command line"),
+    ("data=3", r"a section \(DataConfig\), not a field"),
+    ("model.ngram.trigram_rows=1", "NgramConfig.trigram_rows=1 must be >= 2"),  # re-validated
+    ("model.attn_out_init=normal", "GPTConfig.attn_out_init='normal'"),
+])
+def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        config_mod.parse(["--preset", "small-gpu", "--set", item])
+    assert e.value.code == 2
+    assert re.search(needle, capsys.readouterr().err)

@@ -72,6 +72,7 @@ def _fcfg(weights, prefix=0.0, ws=(32, 96), max_len=256):
     (dict(skip_from_layer=5), "skip_from_layer"),
     (dict(attention_backend="flash"), "attention_backend"),
     (dict(ngram=NgramConfig(dim=64)), "ngram"),
+    (dict(attn_out_init="normal"), "attn_out_init"),
 ])
 def test_config_validation(change, match):
     with pytest.raises(ValueError, match=match):
@@ -94,6 +95,19 @@ def test_parameter_layout():
     assert model.mlp_bank[6:].abs().sum() == 0 and model.mlp_bank[:, 1].abs().sum() == 0
     assert torch.equal(model.embed.weight, model.lm_head.T) and model.lm_head.shape == (128, VOCAB)
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_attention_output_init_zero_or_uniform_like_v():
+    """attn_out_init="zero": every O entry (odd vo_bank entries) is zero; "uniform": drawn like the
+    V entries (std 0.5/sqrt(D)); the padding stays zero either way."""
+    zero, uniform = GPT(GPTConfig.tiny()), GPT(GPTConfig.tiny(attn_out_init="uniform"))
+    n = 2 * len(GPTConfig.tiny().attention_layers)  # 10 V/O entries, padded to 16
+    assert zero.vo_bank[1:n:2].abs().sum() == 0 and (zero.vo_bank[0:n:2] != 0).float().mean() > 0.99
+    o, v = uniform.vo_bank[1:n:2], uniform.vo_bank[0:n:2]
+    bound = 3 ** 0.5 * 0.5 * 128 ** -0.5
+    assert (o != 0).float().mean() > 0.99 and o.abs().max() <= bound
+    assert o.std().item() == pytest.approx(v.std().item(), rel=0.02)
+    assert uniform.vo_bank[n:].abs().sum() == 0
 
 
 @pytest.mark.parametrize("config, shapes", [

@@ -25,7 +25,7 @@ from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
 from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-NUM_CASES = 4  # tests in ngram_adam_cases.py (parametrizations included)
+NUM_CASES = 6  # tests in ngram_adam_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():

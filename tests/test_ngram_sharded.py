@@ -15,6 +15,7 @@ Hardware: CPU only, spawns processes (~30 s on 2 cores).
 Run: `.venv/bin/python -m pytest tests/test_ngram_sharded.py -q`.
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -96,11 +97,11 @@ def _micro_loss(lookup: NgramLookup, model: _Model, slots, inputs, index: int, s
     return (ngram_loss + ve.double().pow(2).sum()) * scale, ngram_loss.detach(), sink
 
 
-def train(rank: int, world_size: int, group=None) -> dict:
+def train(rank: int, world_size: int, group=None, update: str = "lazy") -> dict:
     """STEPS steps of 8/W micro-steps with row prefetch, held gradients, events, then a reset."""
     micro_steps = SLICES // world_size
     g = torch.Generator().manual_seed(7)
-    table = _store(_cfg(), micro_steps)
+    table = _store(_cfg(update=update), micro_steps)
     lookup = table.lookup
     table.table.copy_(torch.randn(table.table.shape, generator=g, dtype=torch.float64))
     table.shard(rank, world_size, group)
@@ -164,9 +165,24 @@ def test_single_rank_reference_moves(single):
     _assert_addresses_stable(single, "1 rank")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_sharded_matches_single_rank(world_size, single, tmp_path):
-    mp.spawn(gloo_worker, args=(world_size, free_port(), str(tmp_path), train), nprocs=world_size)
+@pytest.fixture(scope="module")
+def single_dense():
+    return single_thread(train, 0, 1, None, "dense")
+
+
+def test_dense_update_moves_rows_the_lazy_one_keeps(single, single_dense):
+    """Dense Adam moves rows after their last touch (their momentum), lazy Adam does not."""
+    moved = (single_dense["table"] != single["table"]).any(1)
+    assert moved.any() and not moved.all()  # rows never touched stay in both
+
+
+@pytest.mark.parametrize("world_size,update", [(2, "lazy"), (4, "lazy"), (2, "dense")])
+def test_sharded_matches_single_rank(world_size, update, single, single_dense, tmp_path):
+    """W ranks of 8/W micro-steps equal one rank of 8, lazy and dense (NgramConfig.update: every
+    owner updates its whole slice) alike."""
+    single = single if update == "lazy" else single_dense
+    fn = train if update == "lazy" else functools.partial(train, update=update)
+    mp.spawn(gloo_worker, args=(world_size, free_port(), str(tmp_path), fn), nprocs=world_size)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     per = 192 // world_size
     for r, res in enumerate(results):

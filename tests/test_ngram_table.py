@@ -50,6 +50,29 @@ def test_bos_boundaries_use_reserved_rows():
     assert signs[0] == 0 and signs[7] == 0
 
 
+def test_without_trigrams_only_the_bigram_rows_contribute():
+    """NgramConfig.trigram False: every trigram takes the reserved row and the gather is the
+    signed bigram row alone, so no trigram row gets a gradient."""
+    torch.manual_seed(0)
+    with_tri, without = _store(_cfg()), _store(_cfg(trigram=False))
+    table = torch.randn_like(with_tri.table)
+    x = _tokens(24)
+    outs = {}
+    for name, store in (("with", with_tri), ("without", without)):
+        store.table.copy_(table)
+        slots = store.slots_for(x)
+        sink = store.lookup.grad_sink(24)
+        outs[name] = store.lookup.gather(slots, sink)
+        outs[name].sum().backward()
+        outs[name + "_grad"] = sink.grad
+    ids = without.lookup.row_ids(x)
+    assert (ids[24:] == 97 + 88).all()
+    bigram_only = (table[ids[:24]] * without.lookup.sign[without.lookup.sign_ids(x)[:24]])
+    assert torch.allclose(outs["without"], bigram_only)
+    assert not torch.allclose(outs["with"], bigram_only)  # the trigrams did contribute there
+    assert not outs["without_grad"][24:].any() and outs["with_grad"][24:].any()
+
+
 def test_gather_and_sink_grad_equal_dense_embedding():
     torch.manual_seed(0)
     table = _store(_cfg())

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -322,7 +324,69 @@ def build_parser() -> argparse.ArgumentParser:
              "tests; slower); ops without one warn, naming the op")
     add("--log-every", type=_int_at_least(1),
         help=f"train-loss log cadence in steps ({_by_preset(lambda c: c.train.log_every)})")
+    add("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="set any scalar field of the config tree, after every other flag, e.g. --set "
+             "model.attn_out_init=uniform --set optim.lr=0.02 (repeatable; bool true/false, "
+             "'none' for an optional field, comma-separated int tuples); the run's config.json "
+             "records the result")
     return p
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _parse_field(text: str, hint, key: str):
+    """VALUE of --set KEY=VALUE as the field's declared type (ValueError naming KEY otherwise)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        if text.lower() == "none":
+            return None
+        (hint,) = [a for a in args if a is not type(None)]  # X | None
+        args = typing.get_args(hint)
+    try:
+        if hint is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError
+            return text.lower() in _TRUE
+        if hint in (int, float, str, Path):
+            return hint(text)
+        if typing.get_origin(hint) is tuple and args[1:] == (Ellipsis,) and args[0] in (int, float):
+            return tuple(args[0](x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--set {key}={text}: not a valid {getattr(hint, '__name__', hint)}") from None
+    if dataclasses.is_dataclass(hint):
+        raise ValueError(f"--set {key}: a section ({hint.__name__}), not a field: set one of its "
+                         f"fields, {key}.FIELD=VALUE")
+    raise ValueError(f"--set {key}: a field of type {hint} cannot be set from the command line")
+
+
+def apply_set(cfg: RunConfig, item: str) -> None:
+    """--set SECTION.FIELD=VALUE on the config tree (a scalar field of a nested dataclass)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--set {item!r}: expected SECTION.FIELD=VALUE, e.g. model.attn_out_init=uniform")
+    obj, names = cfg, key.split(".")
+    for i, name in enumerate(names):
+        fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        if name not in fields:
+            where = ".".join(names[:i]) or "the run config"
+            raise ValueError(f"--set {key}: {where} has no field {name!r}"
+                             + (f" (fields: {', '.join(sorted(fields))})" if fields else ""))
+        if i < len(names) - 1:
+            obj = getattr(obj, name)
+    hint = typing.get_type_hints(type(obj))[names[-1]]
+    setattr(obj, names[-1], _parse_field(text.strip(), hint, key))
+
+
+def _validate_tree(obj) -> None:
+    """Re-run __post_init__ on every dataclass of the tree, leaves first."""
+    for f in dataclasses.fields(obj):
+        child = getattr(obj, f.name)
+        if dataclasses.is_dataclass(child) and not isinstance(child, type):
+            _validate_tree(child)
+    post = getattr(obj, "__post_init__", None)
+    if post is not None:
+        post()
 
 
 def _step_range(text: str) -> tuple[int, int]:
@@ -381,10 +445,10 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
+    for item in args.set:
+        apply_set(cfg, item)
     # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
-    for part in (cfg.data, cfg.train, cfg.graphs, cfg.schedule, cfg.model):
-        part.__post_init__()
-    cfg.__post_init__()
+    _validate_tree(cfg)
     return cfg
 
 

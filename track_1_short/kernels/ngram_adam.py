@@ -17,6 +17,9 @@ event's increment, lr = NgramConfig.lr x the step's lr multiplier):
     acc[r] = 0, touched[r] = 0
 Rows with touched[r] == 0 keep their moments (lazy Adam: only rows in the gradient move). The
 kernel's masked loads and stores skip them, so an untouched row costs one 4-byte flag read.
+`dense=True` (NgramConfig.update "dense"): every row, g = 0 where untouched (dense Adam: a row's
+momentum keeps moving it after its last touch; a row never touched has m = v = 0 and stays
+bit-equal), at the cost of reading and writing the whole table and state.
 
 Cost at stage C on one GPU (16 held micro-steps, ~480k touched of 754,560 rows, R = 768, float32):
 per touched row read acc, m, v, table and write all four plus the zeroed acc: ~28 KB, ~13 GB per
@@ -51,13 +54,16 @@ ROWS_PER_PROGRAM = 4  # BR: rows of one program (a [BR, next_pow2(R)] tile)
 @triton.jit
 def _sparse_adam_rows(table_ptr, m_ptr, v_ptr, acc_ptr, touched_ptr, step_ptr, num_rows, row_width,
                       lr, beta1, beta2, log2_beta1, log2_beta2, eps,
-                      BR: tl.constexpr, BLOCK_R: tl.constexpr):
+                      BR: tl.constexpr, BLOCK_R: tl.constexpr, DENSE: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)  # [BR]
     in_range = rows < num_rows
     flags = tl.load(touched_ptr + rows, mask=in_range, other=0)  # [BR]
     cols = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    mask = ((flags != 0) & in_range)[:, None] & (cols < row_width)[None, :]  # [BR, BLOCK_R]
+    if DENSE:
+        mask = in_range[:, None] & (cols < row_width)[None, :]  # [BR, BLOCK_R]
+    else:
+        mask = ((flags != 0) & in_range)[:, None] & (cols < row_width)[None, :]
     offs = rows.to(tl.int64)[:, None] * row_width + cols[None, :]
     t = tl.load(step_ptr).to(tl.float32)
     step_size = lr * tl.sqrt(1.0 - tl.exp2(t * log2_beta2)) / (1.0 - tl.exp2(t * log2_beta1))
@@ -104,14 +110,15 @@ def _check(table: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, acc: Tensor, touc
 
 def sparse_adam_rows(table: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, acc: Tensor,
                      touched: Tensor, step: Tensor, *, lr: float, beta1: float, beta2: float,
-                     eps: float) -> None:
-    """In place: Adam (module docstring) on every row r of `table` [N, R] with touched[r] != 0,
-    reading its gradient from acc [N, R] and the step count from `step` (device, 0-d); acc and
-    touched rows are zeroed. exp_avg, exp_avg_sq, acc: float32 [N, R]; table float32 or bf16."""
+                     eps: float, dense: bool = False) -> None:
+    """In place: Adam (module docstring) on every row r of `table` [N, R] with touched[r] != 0
+    (every row with dense=True), reading its gradient from acc [N, R] and the step count from
+    `step` (device, 0-d); acc and touched rows are zeroed. exp_avg, exp_avg_sq, acc: float32
+    [N, R]; table float32 or bf16."""
     _check(table, exp_avg, exp_avg_sq, acc, touched, step)
     num_rows, width = table.shape
     grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM),)
     _sparse_adam_rows[grid](table, exp_avg, exp_avg_sq, acc, touched, step, num_rows, width,
                             float(lr), float(beta1), float(beta2), math.log2(beta1),
                             math.log2(beta2), float(eps), BR=ROWS_PER_PROGRAM,
-                            BLOCK_R=triton.next_power_of_2(width), num_warps=8)
+                            BLOCK_R=triton.next_power_of_2(width), DENSE=bool(dense), num_warps=8)

@@ -116,8 +116,10 @@ class GPT(nn.Module):
 
         qk = torch.zeros(_padded(n_attn * h, pad), 2 * dh, d)  # [NQK, 2Dh, D]
         qk[: n_attn * h].uniform_(-bound, bound)
-        vo = torch.zeros(_padded(2 * n_attn, pad), d, d)  # [NVO, D, D]; O entries (odd) zero init
+        vo = torch.zeros(_padded(2 * n_attn, pad), d, d)  # [NVO, D, D]; V entries even, O odd
         vo[0: 2 * n_attn: 2].uniform_(-bound, bound)
+        if c.attn_out_init == "uniform":  # else O stays zero
+            vo[1: 2 * n_attn: 2].uniform_(-bound, bound)
         # [NL, 2, F, D]; c_proj zero init; NL entries hold 2*NL matrices, a multiple of pad
         mlp = torch.zeros(_padded(nl, pad // math.gcd(pad, 2)), 2, c.mlp_hidden, d)
         mlp[:nl, 0].uniform_(-bound, bound)

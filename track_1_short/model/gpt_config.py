@@ -13,6 +13,7 @@ from track_1_short.model.fp8_config import Fp8Config
 from track_1_short.model.ngram_config import NgramConfig
 
 BACKENDS = ("auto", "reference", "flex", "varlen", "fa3")  # attention backends (model/attention.py)
+ATTN_OUT_INITS = ("zero", "uniform")  # the attention output projections' init (GPTConfig.attn_out_init)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -35,6 +36,10 @@ class GPTConfig:
     max_position: int = 262_144  # rotary table rows: >= the largest T (train and eval) per rank
     attention_backend: str = "auto"  # BACKENDS (model/attention.py)
     lm_head_init_std: float = 0.005
+    # the attention output projections (vo_bank's O entries): "zero" (ours so far, as the older
+    # records) or "uniform" (HEAD: O drawn like V, std 0.5/sqrt(D), so Q, K and V get gradient at
+    # step 0); a loss-parity ablation until measured
+    attn_out_init: str = "zero"
     eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
     ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
     fp8: Fp8Config = field(default_factory=Fp8Config)
@@ -61,6 +66,8 @@ class GPTConfig:
                              f"no_attention_layer={self.no_attention_layer} < num_layers")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: one of {BACKENDS}")
+        if self.attn_out_init not in ATTN_OUT_INITS:
+            raise ValueError(f"GPTConfig.attn_out_init={self.attn_out_init!r}: one of {ATTN_OUT_INITS}")
         if self.bank_pad_multiple < 1:
             raise ValueError(f"GPTConfig.bank_pad_multiple={self.bank_pad_multiple} must be >= 1")
         if (self.ngram.dim, self.ngram.vocab_size) != (self.model_dim, self.vocab_size):

@@ -15,6 +15,7 @@ import torch
 from track_1_short.model.tokens import BOS_ID, PADDED_VOCAB
 
 NGRAM_DIM = 768  # the speedrun's row width (= model dim)
+NGRAM_UPDATES = ("lazy", "dense")  # NgramConfig.update
 
 
 @dataclass(slots=True, kw_only=True)
@@ -29,6 +30,11 @@ class NgramConfig:
     beta2: float = 0.95
     eps: float = 1e-10
     dtype: torch.dtype = torch.float32  # table, cache and sinks; Adam state is >= float32
+    # the update event's Adam: "lazy" (only the rows touched since the last event move; ours) or
+    # "dense" (every row, a zero gradient for the untouched: momentum keeps moving a row after
+    # its last touch, as HEAD's dense Adam on bigram_embed); a loss-parity ablation until measured
+    update: str = "lazy"
+    trigram: bool = True  # False: every trigram has no context (sign 0), the bigram table alone
     seed: int = 0  # sign buffer generator seed (identical on every rank without a broadcast)
     bos_id: int = BOS_ID
 
@@ -36,6 +42,8 @@ class NgramConfig:
         for name in ("bigram_rows", "trigram_rows"):
             if getattr(self, name) < 2:
                 raise ValueError(f"NgramConfig.{name}={getattr(self, name)} must be >= 2")
+        if self.update not in NGRAM_UPDATES:
+            raise ValueError(f"NgramConfig.update={self.update!r}: one of {NGRAM_UPDATES}")
         if self.cache_rows < 2:
             raise ValueError(f"NgramConfig.cache_rows={self.cache_rows} must be >= 2 (2 per token)")
 

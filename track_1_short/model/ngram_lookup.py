@@ -12,6 +12,8 @@ Hashing (facts 1.2, extended with trigrams): each token t_i gets 2 rows, laid ou
 [bigram rows of all T tokens, then trigram rows]:
 - bigram  ((36313 t_i) XOR (27191 t_{i-1})) mod (B - 1), rows [0, B-1); trigram
   ((36313 t_i) XOR (27191 t_{i-1}) XOR (51497 t_{i-2})) mod (G - 1) + B, rows [B, B+G-1).
+- NgramConfig.trigram False: the bigram table alone (an ablation): every trigram takes the
+  reserved trigram row and the gather leaves the trigram half out (its sink gradient is zero).
 - n-grams never cross a BOS (50256): a BOS token, the token right after it (and the first token of the
   batch) have no bigram context and take the reserved row B-1; a token without two context tokens
   after the last BOS takes the reserved trigram row B+G-1. (HEAD hashes across BOS; deviation.)
@@ -86,7 +88,7 @@ class NgramLookup(nn.Module):
         prev2 = torch.cat([bos, tok[:-2]])[: tok.numel()]  # [T]
         bos_id = self.cfg.bos_id
         bigram_ok = (tok != bos_id) & (prev != bos_id)  # [T]
-        trigram_ok = bigram_ok & (prev2 != bos_id)  # [T]
+        trigram_ok = bigram_ok & (prev2 != bos_id) & self.cfg.trigram  # [T]
         return tok, prev, prev2, bigram_ok, trigram_ok
 
     def row_ids(self, inputs: Tensor) -> Tensor:
@@ -131,7 +133,8 @@ class NgramLookup(nn.Module):
         if sink is not None:
             rows = rows + sink
         rows = rows * self.sign[ngram_slots % SIGN_ROWS]
-        return rows.view(2, -1, rows.shape[-1]).sum(0)
+        rows = rows.view(2, -1, rows.shape[-1])  # [2, T, R]: bigrams, trigrams
+        return rows.sum(0) if self.cfg.trigram else rows[0]
 
     @torch.no_grad()
     def reset(self):

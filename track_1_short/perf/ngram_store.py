@@ -41,7 +41,8 @@ micro-step of a (non-final) event step. A hold past it is a RuntimeError: an eve
 (StepPlan.ngram_event) was skipped.
 
 Update event (`update_event(step, lr_scale)`, collective, on the schedule's `ngram_event` steps
-after the optimizer): SparseAdam's formula on the touched rows, with the accumulated gradient.
+after the optimizer): SparseAdam's formula on the touched rows, with the accumulated gradient
+(NgramConfig.update "dense": on every row, a zero gradient where untouched, as HEAD's dense Adam).
 - W = 1 on CUDA: one Triton kernel (kernels/ngram_adam.py) over all rows that skips the untouched
   ones, reads the step count on the device and zeroes the accumulator behind itself: no host
   sync, no data-dependent shape.
@@ -274,13 +275,17 @@ class NgramStore(nn.Module):
 
     def _event_reference(self, lr_scale: float):
         """The event by gathers and scatters (host syncs on the touched rows and the step count):
-        the CPU path, every W > 1 (the rows go to their owners), and the kernel's reference."""
+        the CPU path, every W > 1 (the rows go to their owners), and the kernel's reference.
+        NgramConfig.update "dense": every row of the slice, a zero gradient where untouched."""
         rows = self.touched.nonzero().squeeze(1)  # [U] sorted global rows
         g = self.grad_acc[rows]  # [U, R]
         self.grad_acc.index_fill_(0, rows, 0)
         self.touched.index_fill_(0, rows, 0)
         if self.world_size > 1:
-            rows, g = self._to_owners(rows, g)
+            rows, g = self._to_owners(rows, g)  # local rows of this slice
+        if self.cfg.update == "dense":
+            full = g.new_zeros(self.rows_per_rank, g.shape[1])  # [ROWS / W, R]
+            rows, g = torch.arange(self.rows_per_rank, device=g.device), full.index_add_(0, rows, g)
         self._adam_rows(rows, g, lr_scale)
 
     @torch.no_grad()
@@ -296,7 +301,7 @@ class NgramStore(nn.Module):
             cfg = self.cfg
             self.event_kernel(self.table, self.exp_avg, self.exp_avg_sq, self.grad_acc, self.touched,
                               self.num_updates, lr=cfg.lr * lr_scale, beta1=cfg.beta1,
-                              beta2=cfg.beta2, eps=cfg.eps)
+                              beta2=cfg.beta2, eps=cfg.eps, dense=cfg.update == "dense")
         else:
             self._event_reference(lr_scale)
         self.pending = 0

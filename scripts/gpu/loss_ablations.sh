@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Our val loss under ablations, each against the record's curve already measured on the same
+# corpus (docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl: loss does not
+# depend on timing, so the record need not run again), one H200, one device call from the repo root:
+#   bash scripts/gpu/loss_ablations.sh            (VARIANTS="base uniform_o ..." to choose)
+#   carry [".carry/tiktoken", "data/embedded-large"]
+# Each variant is `track_1_short.train --preset small-gpu --graphs on` on data/embedded-large (the
+# mixed corpus the record curve was measured on), validation every 10 steps on the record's
+# tokens, train objective every step, cut after MAX_STEPS (default 110: the points before the data
+# repeats at step 107), then bench/loss_parity.py build --variant NAME ->
+# $OUT/loss_parity_embedded-large_NAME_<date>.json. Variants (flags after the common ones):
+#   base        the defaults (the parity run's configuration)
+#   data_seed1  --data-seed 1: another document order (the noise of one curve)
+#   init_seed1  --seed 1: another init (the noise of one curve)
+#   uniform_o   --set model.attn_out_init=uniform: attention output projections drawn like V (HEAD)
+#   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
+#   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
+#   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
+# Estimated wall, one H200, cold: base ~200 s (compiles keys A and B and two validation windows),
+# every other variant ~80 s (the same graphs from the inductor cache: only values differ; adamw
+# compiles its optimizer, no_trigram its forward) -> ~520 s for the default five; the others
+# (init_seed1, adamw) by VARIANTS in a second call. Each variant gets what is left of the call's
+# deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
+source scripts/gpu/common.sh  # run from the repo root
+DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
+RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
+VARIANTS=${VARIANTS:-base uniform_o dense_ngram no_trigram data_seed1}
+VAL_SEQ=32768 VAL_TOKENS=196608  # the record run's VAL_SEQ / VAL_TOKENS (its settings.log)
+variant_flags() {
+  case "$1" in
+    base) ;;
+    data_seed1) echo --data-seed 1 ;;
+    init_seed1) echo --seed 1 ;;
+    uniform_o) echo --set model.attn_out_init=uniform ;;
+    dense_ngram) echo --set model.ngram.update=dense ;;
+    no_trigram) echo --set model.ngram.trigram=false ;;
+    adamw) echo --optimizer adamw ;;
+    *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
+  esac
+}
+for v in $VARIANTS; do variant_flags "$v" > /dev/null || exit 2; done
+for v in $VARIANTS; do
+  limit=$(( $(left) - 25 ))
+  (( limit > 60 )) || { echo "skipped $v: $limit s left" | tee -a "$L/ablations.log"; continue; }
+  read -r -a extra <<< "$(variant_flags "$v")"
+  timeout -k 15 "$limit" python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" \
+      --graphs on --val-every 10 --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ" \
+      --runs-dir "$OUT/runs" --no-save-final --log-every 1 --max-steps "$MAX_STEPS" \
+      --run-id "$v" "${extra[@]}" > "$L/$v.log" 2>&1
+  echo "$v: exit $? after $(elapsed) s (limit $limit s; flags: ${extra[*]:-none})" | tee -a "$L/ablations.log"
+  python3 bench/loss_parity.py build --ours "$OUT/runs/$v" --record "$RECORD" --data-dir "$DATA" \
+      --variant "$v" --date "$DATE" --out-dir "$OUT" --script "bash scripts/gpu/loss_ablations.sh" \
+      2>&1 | tee -a "$L/ablations.log"
+done
+python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
+import json, pathlib, sys
+rows = sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
+for p in rows:
+    d = json.loads(p.read_text())
+    gaps = " ".join(f"{v['step']}:{v['ours'] - v['record']:+.3f}" for v in d["val"])
+    print(f"{d.get('variant', '?'):>12}  ours - record  {gaps}")
+EOF
+pack_outputs
