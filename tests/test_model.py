@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from track_1_short.model.tokens import BOS_ID
-from track_1_short.model.gpt import GPT, ForwardScheduleConfig, GPTConfig
+from track_1_short.model.gpt import GPT, ForwardScheduleConfig, GPTConfig, rms_norm
 from track_1_short.model.loss import softcap
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.optim.anvil_config import build_param_cfgs
@@ -73,6 +73,9 @@ def _fcfg(weights, prefix=0.0, ws=(32, 96), max_len=256):
     (dict(attention_backend="flash"), "attention_backend"),
     (dict(ngram=NgramConfig(dim=64)), "ngram"),
     (dict(attn_out_init="normal"), "attn_out_init"),
+    (dict(attn_input_layer=6), "attn_input_layer=6 outside"),
+    (dict(backout_layer=-1), "backout_layer=-1 outside"),
+    (dict(backout=-0.5), "backout=-0.5 needs a backout_layer"),
 ])
 def test_config_validation(change, match):
     with pytest.raises(ValueError, match=match):
@@ -108,6 +111,49 @@ def test_attention_output_init_zero_or_uniform_like_v():
     assert (o != 0).float().mean() > 0.99 and o.abs().max() <= bound
     assert o.std().item() == pytest.approx(v.std().item(), rel=0.02)
     assert uniform.vo_bank[n:].abs().sum() == 0
+
+
+def _spied_trunk(model: GPT, inputs, cu, slots):
+    """The trunk's output plus, per layer, the attention input it got and its MLP block's output."""
+    attn_in, mlp_out = {}, {}
+    attention_block, mlp_block = model._attention_block, model._mlp_block
+
+    def spy_attention(i, x, *args):
+        attn_in[i] = (args[-1], x)
+        return attention_block(i, x, *args)
+
+    def spy_mlp(i, x, matmuls):
+        mlp_out[i] = mlp_block(i, x, matmuls)
+        return mlp_out[i]
+
+    model._attention_block, model._mlp_block = spy_attention, spy_mlp
+    with torch.no_grad():
+        out = model._trunk(inputs, cu, slots, None, None, 32, 96, 256, model.matmuls)
+    return out, attn_in, mlp_out
+
+
+def test_later_layers_attend_over_an_earlier_residual_and_the_backout():
+    """attn_input_layer=2: layers 3 and 5 (4 has no attention) attend over the residual after
+    layer 2, layers 0-2 over their own x; backout: the final norm reads x - 0.5 h_2. Off (None),
+    or pointing at the last layer, the trunk is unchanged."""
+    inputs, targets, cu = _batch(128, 8, 3)
+    base = _model()
+    slots = _slots(base, inputs)
+    plain, _, _ = _spied_trunk(base, inputs, cu, slots)
+    late = _model(attn_input_layer=2, backout_layer=2, backout=-0.5)
+    _store(late).table.copy_(_store(base).table)
+    out, attn_in, mlp_out = _spied_trunk(late, inputs, cu, _slots(late, inputs))
+    for i in (0, 1, 2):
+        assert attn_in[i][0] is attn_in[i][1], f"layer {i} attends over its own x"
+    for i in (3, 5):  # (layer 3's own x is h_2 too; layer 5's is not)
+        assert attn_in[i][0] is mlp_out[2], f"layer {i}"
+    assert attn_in[5][1] is not mlp_out[2]
+    assert torch.allclose(out, rms_norm(mlp_out[5] - 0.5 * mlp_out[2]))
+    assert not torch.allclose(out, plain)
+    last = _model(attn_input_layer=5, backout_layer=3)  # nothing after 5; a zero backout
+    _store(last).table.copy_(_store(base).table)
+    same, _, _ = _spied_trunk(last, inputs, cu, _slots(last, inputs))
+    assert torch.equal(same, plain)
 
 
 @pytest.mark.parametrize("config, shapes", [

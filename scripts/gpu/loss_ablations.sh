@@ -15,11 +15,16 @@
 #   uniform_o   --set model.attn_out_init=uniform: attention output projections drawn like V (HEAD)
 #   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
 #   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
+#   attn_in7    --set model.attn_input_layer=7: layers 8-10 attend over norm(h_7) (HEAD)
+#   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
+#               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
+#   head_like   all five HEAD-like changes above at once
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
 # Estimated wall, one H200, cold: base ~200 s (compiles keys A and B and two validation windows),
 # every other variant ~80 s (the same graphs from the inductor cache: only values differ; adamw
-# compiles its optimizer, no_trigram its forward) -> ~520 s for the default five; the others
-# (init_seed1, adamw) by VARIANTS in a second call. Each variant gets what is left of the call's
+# compiles its optimizer; no_trigram, attn_in7, backout7 and head_like their forward) -> ~520 s
+# for the default five; the others in a second call, e.g.
+# VARIANTS="attn_in7 backout7 head_like init_seed1". Each variant gets what is left of the call's
 # deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
@@ -34,6 +39,11 @@ variant_flags() {
     uniform_o) echo --set model.attn_out_init=uniform ;;
     dense_ngram) echo --set model.ngram.update=dense ;;
     no_trigram) echo --set model.ngram.trigram=false ;;
+    attn_in7) echo --set model.attn_input_layer=7 ;;
+    backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
+    head_like) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
+                    --set model.ngram.trigram=false --set model.attn_input_layer=7 \
+                    --set model.backout_layer=7 --set model.backout=-0.5 ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
   esac

@@ -41,9 +41,10 @@ Call order (trainer): GPT(cfg) -> cast params -> .to(device) -> resolve_attentio
 (logged) -> set_prefix_table(...) in the timed region -> per step set_yarn_window(ws_long) (YaRN
 moves where ws_long changes) and model(...) -> after warmup reset_yarn() (+ ngram_table.reset()).
 
-Deviations from HEAD: no MUDD/XSA/DC (so no attention output gates, layer-10 V term, backout); the
-layer-6 skip gate is a plain parameter (init 0.5) instead of a MUDD output; layers 8-10 read
-norm(x), not norm(output of layer 7); the QKV pre-multiplier sa_lambdas[:, 0] scales V only (Q and K
+Deviations from HEAD: no MUDD/XSA/DC (so no attention output gates, layer-10 V term; the backout
+only as a constant, GPTConfig.backout, off by default); the layer-6 skip gate is a plain parameter
+(init 0.5) instead of a MUDD output; layers 8-10 read norm(x), not norm(output of layer 7), unless
+GPTConfig.attn_input_layer = 7; the QKV pre-multiplier sa_lambdas[:, 0] scales V only (Q and K
 are rms-normed right after, which removes the factor); trigram rows; full-softmax loss in torch ops.
 
 Legend: T tokens, D model dim, H heads, Dh head_dim, F MLP hidden, V vocab, L layers, N MTP targets,
@@ -233,25 +234,34 @@ class GPT(nn.Module):
         x = x0 + self.ngram_lambdas[0].to(x.dtype) * ngram
         ves = {layer: self.value_embeds.lookup(k, inputs, value_embed_grad).to(x.dtype)
                for layer, k in self.ve_slot.items()}  # each [T, D]
-        skip = x
+        skip, attn_in, backout = x, None, None  # attn_in: the later layers' attention input
         for i in range(c.num_layers):
             if i == c.no_attention_layer:
                 x = x + (torch.sigmoid(self.skip_lambda) * self.skip_gate).to(x.dtype) * skip
             else:
                 window = ws_long if i in c.long_window_layers else ws_short
                 x = self._attention_block(i, x, x0, ngram, ves.get(i), cum_seqlens, window,
-                                          max_seq_len, backend)
+                                          max_seq_len, backend, x if attn_in is None else attn_in)
             x = self._mlp_block(i, x, matmuls)
             if i == c.skip_from_layer:
                 skip = x
+            if i == c.attn_input_layer:
+                attn_in = x
+            if i == c.backout_layer:
+                backout = x
+        if backout is not None and c.backout:
+            x = x + c.backout * backout
         return rms_norm(x)
 
     def _attention_block(self, i: int, x: Tensor, x0: Tensor, ngram: Tensor, ve: Tensor | None,
-                         cum_seqlens: Tensor, window: int, max_seq_len: int, backend: str) -> Tensor:
+                         cum_seqlens: Tensor, window: int, max_seq_len: int, backend: str,
+                         attn_in: Tensor) -> Tensor:
+        """Layer i's attention over rms_norm(attn_in) (x, or an earlier layer's residual:
+        GPTConfig.attn_input_layer) added into the residual x."""
         c = self.config
         t, h, dh, a = x.shape[0], c.num_heads, c.head_dim, self.attn_slot[i]
         lam = self.sa_lambdas[i].to(x.dtype)
-        xn = rms_norm(x)  # [T, D]
+        xn = rms_norm(attn_in)  # [T, D]
         qk_w = self.qk_bank[a * h: (a + 1) * h].reshape(2 * h * dh, -1).to(x.dtype)  # [2*H*Dh, D]
         q, k = F.linear(xn, qk_w).view(t, 2, h, dh).unbind(1)  # [T, H, Dh] each
         v = F.linear(xn, self.vo_bank[2 * a].to(x.dtype)).view(t, h, dh) * lam[0]

@@ -40,6 +40,13 @@ class GPTConfig:
     # records) or "uniform" (HEAD: O drawn like V, std 0.5/sqrt(D), so Q, K and V get gradient at
     # step 0); a loss-parity ablation until measured
     attn_out_init: str = "zero"
+    # None: every layer's attention reads rms_norm(x) (ours so far); L: the layers after L read
+    # rms_norm(the residual after layer L) instead (HEAD: 7, layers 8-10 attend over norm(h_7))
+    attn_input_layer: int | None = None
+    # backout: the final norm reads x + backout * (the residual after backout_layer); HEAD starts
+    # its post-loop MUDD coefficient of h_7 at -0.5 (learned per token there; a constant here)
+    backout_layer: int | None = None
+    backout: float = 0.0
     eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
     ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
     fp8: Fp8Config = field(default_factory=Fp8Config)
@@ -66,6 +73,13 @@ class GPTConfig:
                              f"no_attention_layer={self.no_attention_layer} < num_layers")
         if self.attention_backend not in BACKENDS:
             raise ValueError(f"GPTConfig.attention_backend={self.attention_backend!r}: one of {BACKENDS}")
+        for name in ("attn_input_layer", "backout_layer"):
+            layer = getattr(self, name)
+            if layer is not None and layer not in layers:
+                raise ValueError(f"GPTConfig.{name}={layer} outside [0, {self.num_layers}) (None: off)")
+        if self.backout and self.backout_layer is None:
+            raise ValueError(f"GPTConfig.backout={self.backout} needs a backout_layer (the layer "
+                             f"whose residual the final norm subtracts)")
         if self.attn_out_init not in ATTN_OUT_INITS:
             raise ValueError(f"GPTConfig.attn_out_init={self.attn_out_init!r}: one of {ATTN_OUT_INITS}")
         if self.bank_pad_multiple < 1:
