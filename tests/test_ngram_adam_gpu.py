@@ -4,7 +4,8 @@ the store's reference at the speedrun's table shape, with no host sync.
 Scope: NgramStore with the speedrun's NgramConfig (754,560 rows x 768, float32) and stage C's
 held gradients (cycle 2 x 8 micro-steps of [98,304, 768]; row ids skewed so that hot rows repeat
 thousands of times and a part of the table stays untouched), two events with different lr
-multipliers; the kernel's table and moments against `_event_reference` from the same state (the
+multipliers, lazy and dense Adam (NgramConfig.update); the kernel's table and moments against
+`_event_reference` from the same state (the
 reference store gets the kernel store's accumulator: index_add_'s float32 atomics sum in no fixed
 order, so two accumulations differ by rounding), untouched rows bit-equal; `hold` and the kernel event under torch.cuda.set_sync_debug_mode("error"); the event
 time of both paths is printed (CUDA events; a measurement, not asserted: bench/step.py is the
@@ -30,8 +31,9 @@ from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 MICRO_STEPS, CYCLE, TOKENS = 8, 2, 49_152  # stage C on one GPU
 
 
-def _store(kernel: bool) -> NgramStore:
-    store = NgramStore(NgramLookup(NgramConfig()).cuda(), cycle=CYCLE, micro_steps=MICRO_STEPS)
+def _store(kernel: bool, update: str = "lazy") -> NgramStore:
+    lookup = NgramLookup(NgramConfig(update=update)).cuda()
+    store = NgramStore(lookup, cycle=CYCLE, micro_steps=MICRO_STEPS)
     assert store.event_kernel is not None  # a CUDA store gets the kernel
     if not kernel:
         store.event_kernel = None
@@ -56,13 +58,17 @@ def _event_ms(store: NgramStore, step: int, lr_scale: float) -> float:
     return start.elapsed_time(end)
 
 
-def test_event_kernel_equals_the_reference_without_host_sync():
-    kernel, reference = _store(True), _store(False)
+@pytest.mark.parametrize("update", ["lazy", "dense"])
+def test_event_kernel_equals_the_reference_without_host_sync(update):
+    """Lazy: rows untouched in an event stay bit-equal; dense (NgramConfig.update): rows never
+    touched stay bit-equal, rows touched only in an earlier event move."""
+    kernel, reference = _store(True, update), _store(False, update)
     gen = torch.Generator(device="cuda").manual_seed(0)
     init = torch.randn(kernel.table.shape, generator=gen, device="cuda")
     for s in (kernel, reference):
         s.table.copy_(init)
     times = {"kernel": [], "reference": []}
+    touched_all = torch.zeros(kernel.cfg.num_rows, dtype=torch.bool, device="cuda")
     for event, lr_scale in enumerate((1.0, 0.5)):
         touched_ever = torch.zeros(kernel.cfg.num_rows, dtype=torch.bool, device="cuda")
         for ids, grad in _held(gen, kernel.cfg.num_rows, kernel.cfg.dim):
@@ -70,6 +76,7 @@ def test_event_kernel_equals_the_reference_without_host_sync():
             kernel.hold(grad, ids)
             torch.cuda.set_sync_debug_mode(0)
             touched_ever[ids] = True
+        touched_all |= touched_ever
         reference.grad_acc.copy_(kernel.grad_acc)
         reference.touched.copy_(kernel.touched)
         reference.pending = kernel.pending
@@ -87,7 +94,11 @@ def test_event_kernel_equals_the_reference_without_host_sync():
             torch.testing.assert_close(getattr(kernel, name), getattr(reference, name),
                                        rtol=1e-5, atol=1e-6,
                                        msg=lambda m, event=event, name=name: f"event {event}: {name}: {m}")
-        assert torch.equal(kernel.table[~touched_ever], before[~touched_ever])
+        still = ~touched_ever if update == "lazy" else ~touched_all
+        assert torch.equal(kernel.table[still], before[still])
+        if update == "dense" and event > 0:
+            earlier = touched_all & ~touched_ever
+            assert earlier.any() and (kernel.table[earlier] != before[earlier]).any(1).all()
         assert not kernel.grad_acc.any() and not kernel.touched.any()
-        print(f"event {event}: {fraction:.3f} of the rows touched; kernel "
+        print(f"{update} event {event}: {fraction:.3f} of the rows touched; kernel "
               f"{times['kernel'][-1]:.2f} ms, reference {times['reference'][-1]:.2f} ms")
