@@ -21,7 +21,8 @@ untie happens after step 3 for stages C and D (UNTIE_STEP; the run unties at ste
 the statistics start after it.
 
 Run (H200): PYTHONPATH=. python bench/step.py --stage C --steps 20 --graphs on,off \\
-    --out docs/results/step_h200_C.json   (add --micro-steps 1 for one rank's step of 8 GPUs)
+    --out docs/results/step_h200_C.json   (add --micro-steps 1 for one rank's step of 8 GPUs;
+    --set SECTION.FIELD=VALUE for a config variant, e.g. --set model.fp8.enabled=true)
 Smoke (CPU, cpu-tiny model, eager): PYTHONPATH=. python bench/step.py --smoke --out /tmp/step.json
 """
 
@@ -68,6 +69,9 @@ def stage_config(args, graphs: str, runs_dir: Path):
     cfg.schedule = dataclasses.replace(cfg.schedule, stages=(stage,), momentum_warmup_steps=0,
                                        momentum_cooldown_steps=0,
                                        untie_step=UNTIE_STEP if index >= 2 else None)
+    for item in args.set:  # --set SECTION.FIELD=VALUE, as the trainer's flag (config.apply_set)
+        config_mod.apply_set(cfg, item)
+    config_mod.validate_tree(cfg)
     cfg.graphs.mode = graphs if not args.smoke else "off"
     cfg.data.data_dir, cfg.data.micro_steps = Path(args.data_dir), args.micro_steps
     cfg.train = dataclasses.replace(
@@ -79,6 +83,13 @@ def stage_config(args, graphs: str, runs_dir: Path):
 
 def _stats(xs: list[float]) -> dict | None:
     return common.summarize(xs) if xs else None
+
+
+def _field(cfg, key: str):
+    """The value at dotted path `key` of the run's config (what a --set item reached)."""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return list(cfg) if isinstance(cfg, tuple) else cfg
 
 
 def phases(times: list[dict], micro_steps: int) -> dict:
@@ -128,7 +139,9 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
            "host_syncs_per_step": (statistics.fmean(t["syncs"] for t in steady)
                                    if steady and steady[0]["syncs"] is not None else None),
            "warmup_s": run.log.warmup_s, "compiles": dict(run.log.compiles),
-           "memory": common.memory_gib(ctx.device), "capture_report": run.parts.runner.capture_report()}
+           "memory": common.memory_gib(ctx.device), "capture_report": run.parts.runner.capture_report(),
+           "config_values": {key: _field(run.spec.cfg, key) for key in
+                             (item.partition("=")[0] for item in args.set)}}
     if run.log.profile:
         p = run.log.profile
         row.update(kernel_ms_per_step=p["kernel_ms"], device_busy_ms_per_step=p["device_busy_ms"],
@@ -151,9 +164,19 @@ def parse(argv):
     p.add_argument("--micro-steps", type=int, default=None, help="per step (default 8 on 1 GPU)")
     p.add_argument("--data-dir", default="data/embedded")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="a config field, as the trainer's --set (e.g. model.fp8.enabled=true "
+                        "--set model.fp8.sites=mlp_up,mlp_down); recorded in the JSON")
     p.add_argument("--smoke", action="store_true", help="CPU: cpu-tiny model, eager, tiny run")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    try:  # a bad --set is a usage error (exit 2), before any variant runs
+        cfg = config_mod.preset("cpu-tiny" if args.smoke else "small-gpu")
+        for item in args.set:
+            config_mod.apply_set(cfg, item)
+        config_mod.validate_tree(cfg)
+    except ValueError as e:
+        p.error(str(e))
     if args.profile is None:
         args.profile = torch.cuda.is_available() and not args.smoke
     return args
@@ -163,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     results = common.Results(Path(args.out), device, stage=args.stage, steps=args.steps,
-                             micro_steps=args.micro_steps, variants={}, errors={})
+                             micro_steps=args.micro_steps, config_set=args.set, variants={},
+                             errors={})
     with tempfile.TemporaryDirectory() as runs:
         for graphs in args.graphs.split(","):
             row = common.run_guarded(graphs, lambda g=graphs: run_variant(args, g, Path(runs)),

@@ -121,13 +121,17 @@ def test_loss_kernel_bench_smoke(tmp_path):
 
 def test_step_bench_smoke(tmp_path):
     """bench/step.py --smoke: the trainer's real step at one stage (cpu-tiny, eager, no
-    validation): per-step and per-phase times by parity, host issue time, no recompile."""
+    validation): per-step and per-phase times by parity, host issue time, no recompile; --set
+    items reach the run's config."""
     out = tmp_path / "step.json"
     _run("step.py", "--stage", "B", "--steps", "2", "--graphs", "off",
+         "--set", "model.ngram.update=dense", "--set", "model.long_window_layers=1,5",
          "--data-dir", str(REPO / "data" / "embedded"), "--out", str(out))
     data = json.loads(out.read_text())
     assert data["complete"] and not data["errors"] and set(data["variants"]) == {"off"}
     row = data["variants"]["off"]
+    assert data["config_set"] == ["model.ngram.update=dense", "model.long_window_layers=1,5"]
+    assert row["config_values"] == {"model.ngram.update": "dense", "model.long_window_layers": [1, 5]}
     assert row["stage"] == "B" and row["micro_steps"] == 1 and row["step_ms"]["n"] == 2
     assert row["phases_ms"]["optimizer_even_ms"]["n"] == row["phases_ms"]["optimizer_odd_ms"]["n"] == 1
     assert row["host_issue_ms"]["median_ms"] > 0 and row["host_syncs_per_step"] is None  # CPU

@@ -355,6 +355,23 @@ def test_matmul_dispatch():
         assert _rel(out, fp8_matmul_reference(x, w, x_s, w_s)) < 1e-3
 
 
+def test_sites_outside_the_config_stay_plain():
+    """Fp8Config.sites: an active strategy quantises only those sites; the others are x @ w and
+    touch no buffer (mlp_down's delayed scales stay put). Sites are validated."""
+    x, w, _ = _operands("mlp_down", t=32, k=64, n=48)
+    x, w = x.float(), w.float()
+    m = Fp8Matmuls(Fp8Config(sites=("mlp_up",)), num_layers=2)
+    m.active = True
+    before = _state(m)
+    for site in ("lm_head", "mlp_down"):
+        assert torch.equal(m.matmul(x, w, which=site, layer=0), x @ w), site
+    assert all(torch.equal(b, before[n]) for n, b in m.named_buffers())
+    assert not torch.equal(m.matmul(x, w, which="mlp_up"), x @ w)  # quantised
+    for bad in ((), ("mlp_gate",)):
+        with pytest.raises(ValueError, match="Fp8Config.sites"):
+            Fp8Config(sites=bad)
+
+
 def test_mlp_up_forward_backward_match_reference():
     """The MLP up call as the model makes it: rms-normed x, the transposed view c_fc.t(), current
     scales; forward and both gradients (fp8 backward, current e5m2 grad scale) vs the reference."""

@@ -344,3 +344,12 @@ def test_strategies_are_installed_from_outside():
     model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
     build._install_fused_loss(model, torch.device("cuda"), enabled=True)
     assert model.head_loss is None, "an fp8 lm head keeps the torch loss over its fp8 logits"
+    assert build.describe_strategies(model).startswith(
+        "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls")
+    mlp_only = _model(fp8=Fp8Config(enabled=True, sites=("mlp_up", "mlp_down")))
+    mlp_only.matmuls = Fp8Matmuls(mlp_only.config.fp8, num_layers=mlp_only.config.num_layers)
+    build._install_fused_loss(mlp_only, torch.device("cuda"), enabled=True)
+    assert mlp_only.head_loss is linear_softcap_ce, "fp8 on the MLP only keeps the fused loss"
+    assert build.describe_strategies(mlp_only) == ("training forward: fp8 (mlp_up, mlp_down), "
+                                                   "otherwise bf16/fp32 matmuls, fused Triton "
+                                                   "kernel (kernels/softcap_ce.py) loss")

@@ -327,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="set any scalar field of the config tree, after every other flag, e.g. --set "
              "model.attn_out_init=uniform --set optim.lr=0.02 (repeatable; bool true/false, "
-             "'none' for an optional field, comma-separated int tuples); the run's config.json "
+             "'none' for an optional field, comma-separated tuples, e.g. model.fp8.sites="
+             "mlp_up,mlp_down); the run's config.json "
              "records the result")
     return p
 
@@ -350,8 +351,8 @@ def _parse_field(text: str, hint, key: str):
             return text.lower() in _TRUE
         if hint in (int, float, str, Path):
             return hint(text)
-        if typing.get_origin(hint) is tuple and args[1:] == (Ellipsis,) and args[0] in (int, float):
-            return tuple(args[0](x) for x in text.split(",") if x.strip())
+        if typing.get_origin(hint) is tuple and args[1:] == (Ellipsis,) and args[0] in (int, float, str):
+            return tuple(args[0](x.strip()) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--set {key}={text}: not a valid {getattr(hint, '__name__', hint)}") from None
     if dataclasses.is_dataclass(hint):
@@ -378,12 +379,12 @@ def apply_set(cfg: RunConfig, item: str) -> None:
     setattr(obj, names[-1], _parse_field(text.strip(), hint, key))
 
 
-def _validate_tree(obj) -> None:
+def validate_tree(obj) -> None:
     """Re-run __post_init__ on every dataclass of the tree, leaves first."""
     for f in dataclasses.fields(obj):
         child = getattr(obj, f.name)
         if dataclasses.is_dataclass(child) and not isinstance(child, type):
-            _validate_tree(child)
+            validate_tree(child)
     post = getattr(obj, "__post_init__", None)
     if post is not None:
         post()
@@ -448,7 +449,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     for item in args.set:
         apply_set(cfg, item)
     # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
-    _validate_tree(cfg)
+    validate_tree(cfg)
     return cfg
 
 

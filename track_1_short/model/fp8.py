@@ -132,7 +132,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from track_1_short.model.fp8_config import Fp8Config
+from track_1_short.model.fp8_config import FP8_SITES, Fp8Config
 
 E4M3 = torch.float8_e4m3fn  # forward operands
 E5M2 = torch.float8_e5m2  # gradients
@@ -145,7 +145,7 @@ MLP_DOWN_X_MARGIN = 1.80  # facts 1.7 (PR #342): delayed activation scale = prev
 MLP_DOWN_W_MARGIN = 1.12  # facts 1.7: delayed weight scale = previous weights' amax * 1.12 / 448
 AMAX_FLOOR = 1e-12  # every amax is floored here (all-zero tensors quantise to zeros, not NaN)
 MIN_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0: H100/H200)
-SITES = ("lm_head", "mlp_up", "mlp_down")  # Fp8Matmuls.matmul(which=...)
+SITES = FP8_SITES  # Fp8Matmuls.matmul(which=...); Fp8Config.sites picks those that run in fp8
 DIM_MULTIPLE = 16  # _scaled_mm: T, K and N multiples of 16 (see module docstring)
 
 
@@ -406,15 +406,16 @@ class Fp8Matmuls(PlainMatmuls):
         return self.active
 
     def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
-        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active: fp8 with the scales of call site
-        `which` ("lm_head": static, "mlp_up": current amax, "mlp_down": delayed, per `layer`, whose
-        buffers this call advances); inactive: x @ w in x's dtype and no buffer is touched."""
+        """x [T, K] @ w [K, N] -> [T, N] in x's dtype. Active and `which` in Fp8Config.sites: fp8
+        with the scales of call site `which` ("lm_head": static, "mlp_up": current amax,
+        "mlp_down": delayed, per `layer`, whose buffers this call advances); otherwise x @ w in
+        x's dtype and no buffer is touched."""
         if which not in SITES:
             raise ValueError(f"Fp8Matmuls.matmul(which={which!r}): one of {SITES}")
         if which == "mlp_down" and not (layer is not None and 0 <= layer < len(self.mlp_down)):
             raise ValueError(f"Fp8Matmuls.matmul(which='mlp_down', layer={layer}): the layer index "
                              f"in [0, {len(self.mlp_down)}) selects the delayed scales")
-        if not self.active:
+        if not self.active or which not in self.cfg.sites:
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)

@@ -6,6 +6,8 @@ field). Nested into GPTConfig.fp8 (model/gpt_config.py); `--fp8` sets `enabled`.
 
 from dataclasses import dataclass
 
+FP8_SITES = ("lm_head", "mlp_up", "mlp_down")  # the fp8 call sites (model/fp8.py's Fp8Matmuls)
+
 
 @dataclass(slots=True, kw_only=True)
 class Fp8Config:
@@ -13,8 +15,14 @@ class Fp8Config:
     # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
     # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
     bootstrap_steps: int = 16
+    # the call sites that run in fp8 when enabled (the others stay bf16); without "lm_head" the
+    # fused lm-head + softcapped CE kernel keeps the (bf16) lm head, e.g. ("mlp_up", "mlp_down")
+    sites: tuple[str, ...] = FP8_SITES
 
     def __post_init__(self):
+        unknown = [s for s in self.sites if s not in FP8_SITES]
+        if unknown or not self.sites:
+            raise ValueError(f"Fp8Config.sites={self.sites}: a non-empty subset of {FP8_SITES}")
         if self.bootstrap_steps < 1:
             raise ValueError(f"Fp8Config.bootstrap_steps={self.bootstrap_steps} must be >= 1: the "
                              "first MLP-down call has no previous amax to delay")

@@ -108,17 +108,24 @@ def _install_fp8(model: GPT, device: torch.device) -> None:
         model.matmuls = fp8
 
 
+def _fp8_sites(model: GPT) -> tuple[str, ...]:
+    """The call sites the training forward runs in fp8 (none without an active Fp8Matmuls)."""
+    return model.config.fp8.sites if isinstance(model.matmuls, Fp8Matmuls) else ()
+
+
 def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None:
     """The fused lm-head + softcapped CE kernel as the training forward's head loss: on CUDA with
-    a bf16 lm head (an fp8 lm head keeps the torch loss over its fp8 logits)."""
-    if enabled and device.type == "cuda" and not isinstance(model.matmuls, Fp8Matmuls):
+    a bf16 lm head (an fp8 lm head keeps the torch loss over its fp8 logits; fp8 on the MLP
+    only, Fp8Config.sites, keeps the fused loss)."""
+    if enabled and device.type == "cuda" and "lm_head" not in _fp8_sites(model):
         from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
         model.head_loss = linear_softcap_ce
 
 
 def describe_strategies(model: GPT) -> str:
     """One log line: which matmuls and which loss the training forward runs."""
-    matmuls = "fp8 (lm head, MLP)" if isinstance(model.matmuls, Fp8Matmuls) else "bf16/fp32"
+    sites = _fp8_sites(model)
+    matmuls = f"fp8 ({', '.join(sites)}), otherwise bf16/fp32" if sites else "bf16/fp32"
     loss = ("fused Triton kernel (kernels/softcap_ce.py)" if model.head_loss is not None
             else "torch (model/loss.py)")
     return f"training forward: {matmuls} matmuls, {loss} loss"

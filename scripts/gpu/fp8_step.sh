@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# fp8 against bf16 in the trainer's real step at one stage (default C), one H200, one device call
+# from the repo root ($OUT: the tool's folder):
+#   STAGE=C VARIANTS="bf16 fp8_mlp fp8_all" bash scripts/gpu/fp8_step.sh
+#   carry [".carry/tiktoken", "data/embedded-large"]
+# Each variant is one process of bench/step.py --stage $STAGE --steps 20 --graphs on, 8
+# micro-steps, on data/embedded-large -> $OUT/step_${STAGE}_<variant>.json (per-phase times, top
+# kernels, MFU), one after the other (never beside each other: timing):
+#   bf16     the default (bf16 GEMMs, the fused lm-head + softcapped CE kernel)
+#   fp8_mlp  --set model.fp8.enabled=true --set model.fp8.sites=mlp_up,mlp_down: fp8 MLP, the
+#            bf16 lm head keeps the fused loss
+#   fp8_all  --set model.fp8.enabled=true: fp8 lm head and MLP (the lm head then runs the torch
+#            loss over fp8 logits)
+# Estimated wall, one H200, cold: ~180 s per variant at C (each compiles its own graphs, ~120 s,
+# then capture, self-check and 22 steps of ~0.72 s), so three variants need ~540 s; each gets what
+# is left of the call's deadline (DEADLINE_S, 585 s) and a cut one still leaves its JSON so far.
+source scripts/gpu/common.sh  # run from the repo root
+DATA=${DATA:-data/embedded-large} STAGE=${STAGE:-C} VARIANTS=${VARIANTS:-bf16 fp8_mlp fp8_all}
+variant_flags() {
+  case "$1" in
+    bf16) ;;
+    fp8_mlp) echo --set model.fp8.enabled=true --set model.fp8.sites=mlp_up,mlp_down ;;
+    fp8_all) echo --set model.fp8.enabled=true ;;
+    *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
+  esac
+}
+for v in $VARIANTS; do variant_flags "$v" > /dev/null || exit 2; done
+for v in $VARIANTS; do
+  limit=$(( $(left) - 15 ))
+  (( limit > 90 )) || { echo "skipped $v: $limit s left" | tee -a "$L/fp8_step.log"; continue; }
+  read -r -a extra <<< "$(variant_flags "$v")"
+  timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
+      --data-dir "$DATA" "${extra[@]}" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
+  echo "$v: exit $? after $(elapsed) s (limit $limit s; flags: ${extra[*]:-none})" | tee -a "$L/fp8_step.log"
+done
+python3 - "$OUT" "$STAGE" <<'EOF' 2>&1 | tee -a "$L/fp8_step.log"
+import json, pathlib, sys
+out, stage = pathlib.Path(sys.argv[1]), sys.argv[2]
+for p in sorted(out.glob(f"step_{stage}_*.json")):
+    row = (json.loads(p.read_text()).get("variants") or {}).get("on")
+    if row:
+        micro = row["phases_ms"].get("micro_phases_ms") or {}
+        print(f"{p.stem}: step {row['step_ms']['median_ms']:.1f} ms, kernel "
+              f"{row.get('kernel_ms_per_step') or float('nan'):.1f} ms, forward+backward per micro-step "
+              f"{micro.get('forward', 0) + micro.get('backward', 0):.2f} ms")
+EOF
+pack_outputs
