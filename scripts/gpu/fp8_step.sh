@@ -24,15 +24,13 @@ variant_flags() {
     *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }
-for v in $VARIANTS; do variant_flags "$v" > /dev/null || exit 2; done
-for v in $VARIANTS; do
-  limit=$(( $(left) - 15 ))
-  (( limit > 90 )) || { echo "skipped $v: $limit s left" | tee -a "$L/fp8_step.log"; continue; }
-  read -r -a extra <<< "$(variant_flags "$v")"
+step_variant() {  # NAME LIMIT_S FLAGS...
+  local v=$1 limit=$2
+  shift 2
   timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
-      --data-dir "$DATA" "${extra[@]}" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
-  echo "$v: exit $? after $(elapsed) s (limit $limit s; flags: ${extra[*]:-none})" | tee -a "$L/fp8_step.log"
-done
+      --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
+}
+run_variants fp8_step 15 90 step_variant || exit 2
 python3 - "$OUT" "$STAGE" <<'EOF' 2>&1 | tee -a "$L/fp8_step.log"
 import json, pathlib, sys
 out, stage = pathlib.Path(sys.argv[1]), sys.argv[2]

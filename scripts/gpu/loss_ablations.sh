@@ -48,20 +48,20 @@ variant_flags() {
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }
-for v in $VARIANTS; do variant_flags "$v" > /dev/null || exit 2; done
-for v in $VARIANTS; do
-  limit=$(( $(left) - 25 ))
-  (( limit > 60 )) || { echo "skipped $v: $limit s left" | tee -a "$L/ablations.log"; continue; }
-  read -r -a extra <<< "$(variant_flags "$v")"
+train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with the record curve
+  local v=$1 limit=$2 rc
+  shift 2
   timeout -k 15 "$limit" python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" \
       --graphs on --val-every 10 --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ" \
       --runs-dir "$OUT/runs" --no-save-final --log-every 1 --max-steps "$MAX_STEPS" \
-      --run-id "$v" "${extra[@]}" > "$L/$v.log" 2>&1
-  echo "$v: exit $? after $(elapsed) s (limit $limit s; flags: ${extra[*]:-none})" | tee -a "$L/ablations.log"
+      --run-id "$v" "$@" > "$L/$v.log" 2>&1
+  rc=$?
   python3 bench/loss_parity.py build --ours "$OUT/runs/$v" --record "$RECORD" --data-dir "$DATA" \
       --variant "$v" --date "$DATE" --out-dir "$OUT" --script "bash scripts/gpu/loss_ablations.sh" \
       2>&1 | tee -a "$L/ablations.log"
-done
+  return $rc
+}
+run_variants ablations 25 60 train_variant || exit 2
 python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
 import json, pathlib, sys
 rows = sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
