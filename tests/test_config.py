@@ -99,3 +99,27 @@ def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
         config_mod.parse(["--preset", "small-gpu", "--set", item])
     assert e.value.code == 2
     assert re.search(needle, capsys.readouterr().err)
+
+
+def test_max_autotune_reaches_the_training_forward_only(monkeypatch):
+    """TrainConfig.max_autotune: inductor's max_autotune option on the training forward's compile
+    (eval_ce compiles without it); it needs the compiled model with the inductor backend."""
+    import torch
+
+    from track_1_short.model.gpt import GPT, GPTConfig
+    from track_1_short.trainer import build
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    model = GPT(GPTConfig.tiny())
+    for autotune in (False, True):
+        calls.clear()
+        train = TrainConfig(max_autotune=autotune)
+        forward_fn, eval_fn = build.compile_model(model, train)
+        assert [c.get("options") for c in calls] == [{"max_autotune": True} if autotune else None, None]
+        assert all(c["fullgraph"] and c["dynamic"] is False for c in calls)
+    calls.clear()
+    assert build.compile_model(model, TrainConfig(compile=False)) == (model, model.eval_ce) and not calls
+    for bad in (dict(compile=False), dict(compile_backend="aot_eager")):
+        with pytest.raises(ValueError, match="max_autotune needs the compiled model"):
+            TrainConfig(max_autotune=True, **bad)

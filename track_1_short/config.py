@@ -77,6 +77,10 @@ class TrainConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     compile: bool = True  # torch.compile(fullgraph=True, dynamic=False) the model
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": CPU tests of the graph path)
+    # inductor's max_autotune for the training forward + backward: GEMMs benchmarked against
+    # Triton templates, pointwise epilogues (ReLU^2 and its derivative) fused into the winners;
+    # longer compiles (off until measured: scripts/gpu/fp8_step.sh's `autotune` variant)
+    max_autotune: bool = False
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
     # file exists, rewritten (atomically) after warmup, where every graph of the run compiles.
     # None: inductor's on-disk cache only.
@@ -120,6 +124,9 @@ class TrainConfig:
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
+        if self.max_autotune and (not self.compile or self.compile_backend != "inductor"):
+            raise ValueError("TrainConfig.max_autotune needs the compiled model with the inductor "
+                             f"backend (compile={self.compile}, compile_backend={self.compile_backend!r})")
         if self.warmup_only and not self.compile:
             raise ValueError("--warmup-only: an uncompiled model has nothing to warm up (drop "
                              "--no-compile)")

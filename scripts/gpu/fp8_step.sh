@@ -11,6 +11,9 @@
 #            bf16 lm head keeps the fused loss
 #   fp8_all  --set model.fp8.enabled=true: fp8 lm head and MLP (the lm head then runs the torch
 #            loss over fp8 logits)
+#   autotune --set train.max_autotune=true: bf16, inductor's max_autotune (Triton GEMM templates
+#            with ReLU^2 and its derivative fused as epilogues where they win; compiles take
+#            several times longer: run it alone, VARIANTS=autotune)
 # Estimated wall, one H200, cold: ~180 s per variant at C (each compiles its own graphs, ~120 s,
 # then capture, self-check and 22 steps of ~0.72 s), so three variants need ~540 s; each gets what
 # is left of the call's deadline (DEADLINE_S, 585 s) and a cut one still leaves its JSON so far.
@@ -21,6 +24,7 @@ variant_flags() {
     bf16) ;;
     fp8_mlp) echo --set model.fp8.enabled=true --set model.fp8.sites=mlp_up,mlp_down ;;
     fp8_all) echo --set model.fp8.enabled=true ;;
+    autotune) echo --set train.max_autotune=true ;;
     *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }

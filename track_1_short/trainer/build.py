@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from track_1_short.config import RunConfig
+from track_1_short.config import RunConfig, TrainConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
 from track_1_short.distributed import DistributedContext
 from track_1_short.model.fp8 import Fp8Matmuls
@@ -122,6 +122,20 @@ def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None
         model.head_loss = linear_softcap_ce
 
 
+def compile_model(model: GPT, train: TrainConfig):
+    """(training forward, eval_ce): torch.compile(fullgraph=True, dynamic=False) of each with
+    TrainConfig.compile (the training forward with inductor's max_autotune when asked), else the
+    model itself and its eval_ce."""
+    if not train.compile:
+        return model, model.eval_ce
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    options = {"max_autotune": True} if train.max_autotune else None
+    forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=train.compile_backend,
+                               options=options)
+    eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False, backend=train.compile_backend)
+    return forward_fn, eval_fn
+
+
 def describe_strategies(model: GPT) -> str:
     """One log line: which matmuls and which loss the training forward runs."""
     sites = _fp8_sites(model)
@@ -162,13 +176,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
                               # one micro-step: p.grad is the step graph's own buffer (per key)
                               grad_inputs="adopt" if spec.micro_steps > 1 else "stage"),
         plans=spec.plans, untie_step=spec.untie_step, backend=graph_backend, device=device)
-    forward_fn, eval_fn = model, model.eval_ce
-    if cfg.train.compile:  # 6.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   RECOMPILE_LIMIT)
-        backend = cfg.train.compile_backend
-        forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=backend)
-        eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False, backend=backend)
+    forward_fn, eval_fn = compile_model(model, cfg.train)  # 6.
     keys = step_keys(spec.schedule, num_steps=spec.num_steps)  # 7.
     runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
