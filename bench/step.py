@@ -57,9 +57,14 @@ PROFILE_STEPS = 2
 UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits that cadence twice)
 
 
+def base_config(args):
+    """The bench's preset with the --set items applied (config.with_sets: ValueError if bad)."""
+    return config_mod.with_sets(config_mod.preset("cpu-tiny" if args.smoke else "small-gpu"), args.set)
+
+
 def stage_config(args, graphs: str, runs_dir: Path):
-    """The preset with one stage (the chosen one, --steps long plus the profile window)."""
-    cfg = config_mod.preset("cpu-tiny" if args.smoke else "small-gpu")
+    """The preset (with --set) with one stage (the chosen one, --steps long plus the profile window)."""
+    cfg = base_config(args)
     index = [s.name for s in SPEEDRUN_STAGES].index(args.stage)
     base = cfg.schedule.stages[min(index, len(cfg.schedule.stages) - 1)]
     profile = PROFILE_STEPS if args.profile else 0
@@ -69,9 +74,6 @@ def stage_config(args, graphs: str, runs_dir: Path):
     cfg.schedule = dataclasses.replace(cfg.schedule, stages=(stage,), momentum_warmup_steps=0,
                                        momentum_cooldown_steps=0,
                                        untie_step=UNTIE_STEP if index >= 2 else None)
-    for item in args.set:  # --set SECTION.FIELD=VALUE, as the trainer's flag (config.apply_set)
-        config_mod.apply_set(cfg, item)
-    config_mod.validate_tree(cfg)
     cfg.graphs.mode = graphs if not args.smoke else "off"
     cfg.data.data_dir, cfg.data.micro_steps = Path(args.data_dir), args.micro_steps
     cfg.train = dataclasses.replace(
@@ -171,10 +173,7 @@ def parse(argv):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:  # a bad --set is a usage error (exit 2), before any variant runs
-        cfg = config_mod.preset("cpu-tiny" if args.smoke else "small-gpu")
-        for item in args.set:
-            config_mod.apply_set(cfg, item)
-        config_mod.validate_tree(cfg)
+        base_config(args)
     except ValueError as e:
         p.error(str(e))
     if args.profile is None:

@@ -368,7 +368,7 @@ def _parse_field(text: str, hint, key: str):
     raise ValueError(f"--set {key}: a field of type {hint} cannot be set from the command line")
 
 
-def apply_set(cfg: RunConfig, item: str) -> None:
+def _apply_set(cfg: RunConfig, item: str) -> None:
     """--set SECTION.FIELD=VALUE on the config tree (a scalar field of a nested dataclass)."""
     key, sep, text = item.partition("=")
     if not sep or not key:
@@ -386,12 +386,21 @@ def apply_set(cfg: RunConfig, item: str) -> None:
     setattr(obj, names[-1], _parse_field(text.strip(), hint, key))
 
 
-def validate_tree(obj) -> None:
+def with_sets(cfg: RunConfig, items: list[str]) -> RunConfig:
+    """cfg with every --set item applied (_apply_set), then the whole tree re-validated
+    (_validate_tree): a bad item or value is a ValueError naming it."""
+    for item in items:
+        _apply_set(cfg, item)
+    _validate_tree(cfg)
+    return cfg
+
+
+def _validate_tree(obj) -> None:
     """Re-run __post_init__ on every dataclass of the tree, leaves first."""
     for f in dataclasses.fields(obj):
         child = getattr(obj, f.name)
         if dataclasses.is_dataclass(child) and not isinstance(child, type):
-            validate_tree(child)
+            _validate_tree(child)
     post = getattr(obj, "__post_init__", None)
     if post is not None:
         post()
@@ -453,11 +462,8 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
-    for item in args.set:
-        apply_set(cfg, item)
-    # Re-run every __post_init__ on the edited tree: a bad value fails here, naming the setting.
-    validate_tree(cfg)
-    return cfg
+    # --set last; then every __post_init__ on the edited tree: a bad value fails, naming it
+    return with_sets(cfg, args.set)
 
 
 def parse(argv: list[str] | None = None) -> RunConfig:

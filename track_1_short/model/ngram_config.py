@@ -34,7 +34,7 @@ class NgramConfig:
     # "dense" (every row, a zero gradient for the untouched: momentum keeps moving a row after
     # its last touch, as HEAD's dense Adam on bigram_embed); a loss-parity ablation until measured
     update: str = "lazy"
-    trigram: bool = True  # False: every trigram has no context (sign 0), the bigram table alone
+    trigram: bool = True  # False: the bigram table alone (the lookup leaves the trigram half out)
     seed: int = 0  # sign buffer generator seed (identical on every rank without a broadcast)
     bos_id: int = BOS_ID
 
