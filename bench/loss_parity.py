@@ -170,9 +170,9 @@ def corpus(data_dir: Path) -> tuple[list[Path], list[Path], int, int]:
         raise InputError(f"--data-dir: {e}") from None
 
 
-def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
-    """(config.json, val and train records of metrics.jsonl, summary.json or None) of a trainer
-    run dir."""
+def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict[int, float], dict | None]:
+    """(config.json, val records of metrics.jsonl, its train objective by step, summary.json or
+    None) of a trainer run dir."""
     run_dir = Path(run_dir)
     hint = "pass the run dir of `python -m track_1_short.train` (RUNS_DIR/RUN_ID)"
     cfg = load_json(run_dir / "config.json", "a trainer run dir's config.json", hint)
@@ -182,12 +182,13 @@ def load_ours(run_dir: Path) -> tuple[dict, list[dict], dict | None]:
         raise InputError(f"{run_dir / 'metrics.jsonl'} does not exist: the run stopped before its "
                          f"first log line; see its train.log")
     records = report.MetricsLog.read(run_dir)
-    val = [r for r in records if r.get("kind") in ("val", "train")]
-    if not any(r["kind"] == "val" for r in val):
+    val = [r for r in records if r.get("kind") == "val"]
+    if not val:
         raise InputError(f"{run_dir / 'metrics.jsonl'} has no validation record: the run stopped "
                          "before its first validation, or ran with validation off")
+    train = {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
     summary = run_dir / "summary.json"
-    return cfg, val, json.loads(summary.read_text()) if summary.is_file() else None
+    return cfg, val, train, json.loads(summary.read_text()) if summary.is_file() else None
 
 
 def load_record(path: Path) -> tuple[dict, dict, Path]:
@@ -251,9 +252,7 @@ def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
 # ---------------------------------------------------------------- build
 
 def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, script: str | None) -> dict:
-    cfg, ours_rows, summary = load_ours(ours_dir)
-    ours_val = [r for r in ours_rows if r["kind"] == "val"]
-    ours_train = {r["step"]: r["loss"] for r in ours_rows if r["kind"] == "train"}
+    cfg, ours_val, ours_train, summary = load_ours(ours_dir)
     record_curve, rec, loss_json = load_record(record_path)
     train, val_shards, train_tokens, val_tokens = corpus(data_dir)
     src_ours, src_rec = str(Path(ours_dir) / "config.json"), str(loss_json)
