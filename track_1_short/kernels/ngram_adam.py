@@ -60,10 +60,8 @@ def _sparse_adam_rows(table_ptr, m_ptr, v_ptr, acc_ptr, touched_ptr, step_ptr, n
     in_range = rows < num_rows
     flags = tl.load(touched_ptr + rows, mask=in_range, other=0)  # [BR]
     cols = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    if DENSE:
-        mask = in_range[:, None] & (cols < row_width)[None, :]  # [BR, BLOCK_R]
-    else:
-        mask = ((flags != 0) & in_range)[:, None] & (cols < row_width)[None, :]
+    rows_ok = in_range if DENSE else (flags != 0) & in_range  # [BR]
+    mask = rows_ok[:, None] & (cols < row_width)[None, :]  # [BR, BLOCK_R]
     offs = rows.to(tl.int64)[:, None] * row_width + cols[None, :]
     t = tl.load(step_ptr).to(tl.float32)
     step_size = lr * tl.sqrt(1.0 - tl.exp2(t * log2_beta2)) / (1.0 - tl.exp2(t * log2_beta1))
