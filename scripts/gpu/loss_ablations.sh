@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Our val loss under ablations, each against the record's curve already measured on the same
-# corpus (docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl: loss does not
-# depend on timing, so the record need not run again), one H200, one device call from the repo root:
+# Our val loss under ablations, each against the `base` variant of the same call (the measured
+# effect of one change) and, for orientation only, against the record's curve of an earlier call
+# on the same corpus (docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl): a
+# claim against the record needs both trainers in one command (scripts/gpu/loss_parity.sh), so a
+# variant that closes the gap is confirmed there. One H200, one device call from the repo root:
 #   bash scripts/gpu/loss_ablations.sh            (VARIANTS="base uniform_o ..." to choose)
 #   carry [".carry/tiktoken", "data/embedded-large"]
 # Each variant is `track_1_short.train --preset small-gpu --graphs on` on data/embedded-large (the
@@ -64,10 +66,13 @@ train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with th
 run_variants ablations 25 60 train_variant || exit 2
 python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
 import json, pathlib, sys
-rows = sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
-for p in rows:
-    d = json.loads(p.read_text())
-    gaps = " ".join(f"{v['step']}:{v['ours'] - v['record']:+.3f}" for v in d["val"])
-    print(f"{d.get('variant', '?'):>12}  ours - record  {gaps}")
+runs = {d.get("variant", p.stem): d for p in sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
+        for d in [json.loads(p.read_text())]}
+base = {v["step"]: v["ours"] for v in runs.get("base", {}).get("val", [])}
+for name, d in runs.items():
+    vs_base = " ".join(f"{v['step']}:{v['ours'] - base[v['step']]:+.3f}" for v in d["val"] if v["step"] in base)
+    vs_record = " ".join(f"{v['step']}:{v['ours'] - v['record']:+.3f}" for v in d["val"])
+    print(f"{name:>12}  - base (this call)  {vs_base or 'no base run'}")
+    print(f"{'':>12}  - record (earlier call, indicative)  {vs_record}")
 EOF
 pack_outputs
