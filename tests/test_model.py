@@ -119,11 +119,11 @@ def _spied_trunk(model: GPT, inputs, cu, slots):
     attention_block, mlp_block = model._attention_block, model._mlp_block
 
     def spy_attention(i, x, *args):
-        attn_in[i] = (args[-1], x)
+        attn_in[i] = (args[-2], x)  # (attention input, residual); args[-1] is the LayerMix
         return attention_block(i, x, *args)
 
-    def spy_mlp(i, x, matmuls):
-        mlp_out[i] = mlp_block(i, x, matmuls)
+    def spy_mlp(i, x, *args):
+        mlp_out[i] = mlp_block(i, x, *args)
         return mlp_out[i]
 
     model._attention_block, model._mlp_block = spy_attention, spy_mlp

@@ -21,10 +21,17 @@
 #   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
 #               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
 #   head_like   all five HEAD-like changes above at once
+#   mudd_gates  --set model.mudd.gates=true: per-token x0 / n-gram / skip gates, XSA on 1, 3, 4, 7,
+#               output gates on 3 and 10 (HEAD's MUDD gates)
+#   mudd_conn   --set model.mudd.connections=true: the last layer and the final norm read
+#               per-token amounts of earlier residuals (HEAD's MUDD; the backout is learned)
+#   head_mudd   head_like with both MUDD parts instead of the constant backout: HEAD's model
+#               less DC
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
 # Estimated wall, one H200, cold: base ~200 s (compiles keys A and B and two validation windows),
 # every other variant ~80 s (the same graphs from the inductor cache: only values differ; adamw
-# compiles its optimizer; no_trigram, attn_in7, backout7 and head_like their forward) -> ~520 s
+# compiles its optimizer; no_trigram, attn_in7, backout7, head_like and the mudd ones their
+# forward) -> ~520 s
 # for the default five; the others in a second call, e.g.
 # VARIANTS="attn_in7 backout7 head_like init_seed1". Each variant gets what is left of the call's
 # deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
@@ -46,6 +53,11 @@ variant_flags() {
     head_like) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
                     --set model.ngram.trigram=false --set model.attn_input_layer=7 \
                     --set model.backout_layer=7 --set model.backout=-0.5 ;;
+    mudd_gates) echo --set model.mudd.gates=true ;;
+    mudd_conn) echo --set model.mudd.connections=true ;;
+    head_mudd) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
+                    --set model.ngram.trigram=false --set model.attn_input_layer=7 \
+                    --set model.mudd.gates=true --set model.mudd.connections=true ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
   esac

@@ -4,7 +4,8 @@ What it replaces: HEAD modded-nanogpt's `GPT` (train_gpt.py:1486-1693, a 208-lin
 hard-coded layer indices) with one config dataclass holding every layer index, and a forward split
 into embed / attention block / MLP block / loss.
 
-Architecture (modded-nanogpt record facts 1.2-1.6; MUDD, XSA and DC are NOT implemented):
+Architecture (modded-nanogpt record facts 1.2-1.6; MUDD gates, XSA and MUDD connections are
+optional (GPTConfig.mudd, model/mudd.py, off by default); DC is not implemented):
 token embedding; hashed bigram + trigram rows (NgramLookup, gated per layer); smear
 x[t] += lambda * sigmoid(w . x[t][:12]) * x[t-1]; x0 = rms_norm(x); per layer: attention (QK-norm,
 half-truncated RoPE + YaRN, sliding-window causal attention over packed documents; short window
@@ -24,7 +25,11 @@ Parameters (names optim/anvil_config.PARAM_TABLE keys on):
   [NVE*V, D] (gradient through ValueEmbedPull.grad_accum when the trainer passes it), scalars
   `sa_lambdas`, `resid_lambdas`, `post_lambdas` [L, 2], `x0_lambdas`, `ngram_lambdas` [L],
   `smear_lambda`, `skip_lambda` [], gates `smear_gate.weight` [1, 12], `skip_gate` [],
-  `ve_gate_bank` [NVE, H, 12]. Scalars stay float32; cast only banks/embeddings/head to bf16.
+  `ve_gate_bank` [NVE, H, 12] (NVE - 1 entries with MuddConfig.connections: the last layer's
+  value-embedding gate is theirs; none if that leaves none). With MuddConfig.gates, `mudd_gates.{w1, w2, b2, scale}` replace
+  x0_lambdas, ngram_lambdas and skip_gate; with MuddConfig.connections, `mudd_connections.{w1,
+  w2, b2}` (model/mudd.py has the shapes). Scalars, gates and MUDD stay float32; cast only
+  banks/embeddings/head to bf16.
 - embed and lm_head are TWO parameters, equal (embed = lm_head.T) at init; keeping them tied while
   training (adding embed's gradient into lm_head's and copying back, facts 3) is the trainer's job.
 
@@ -41,9 +46,11 @@ Call order (trainer): GPT(cfg) -> cast params -> .to(device) -> resolve_attentio
 (logged) -> set_prefix_table(...) in the timed region -> per step set_yarn_window(ws_long) (YaRN
 moves where ws_long changes) and model(...) -> after warmup reset_yarn() (+ ngram_table.reset()).
 
-Deviations from HEAD: no MUDD/XSA/DC (so no attention output gates, layer-10 V term; the backout
-only as a constant, GPTConfig.backout, off by default); the layer-6 skip gate is a plain parameter
-(init 0.5) instead of a MUDD output; layers 8-10 read norm(x), not norm(output of layer 7), unless
+Deviations from HEAD: by default no MUDD gates, XSA or MUDD connections (GPTConfig.mudd turns
+them on: then the x0, n-gram and skip coefficients are per token, XSA and the attention output
+gates run, and the last layer and the final norm read the connections; without them the backout
+is a constant, GPTConfig.backout, off by default); no DC on the last layer; MUDD parameters stay
+float32 (HEAD: bf16); layers 8-10 read norm(x), not norm(output of layer 7), unless
 GPTConfig.attn_input_layer = 7; the QKV pre-multiplier sa_lambdas[:, 0] scales V only (Q and K
 are rms-normed right after, which removes the factor); trigram rows; full-softmax loss in torch ops.
 
@@ -62,12 +69,16 @@ from track_1_short.model.attention import attention, pair_heads, resolve_backend
 from track_1_short.model.fp8 import PlainMatmuls
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.loss import per_token_ce, softcap, training_loss
+from track_1_short.model.mudd import (CONNECTION_IN, CONNECTION_OUT, CoefBlocks, GateLayout,
+                                      GateValues, ScalarInits, connection_inits, named, xsa)
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.model.value_embed import ValueEmbedPull
 from track_1_short.model.yarn import Yarn
 
 SMEAR_DIMS = 12  # facts 1.2: the smear gate reads x[t][:12]
 VE_GATE_DIMS = 6  # the value-embedding gate reads attn_in[:6] and ve[:6]
+# the learned scalars' inits (facts 1.2), which MUDD's per-token coefficients start from too
+INITS = ScalarInits(resid=math.sqrt(1.1), post=1.0, x0=0.0, ngram=0.05, skip=0.5)
 
 
 @dataclass(slots=True)
@@ -80,6 +91,25 @@ class ForwardScheduleConfig:
     ws_short: int  # tokens
     ws_long: int  # tokens
     train_max_seq_len: int  # tokens
+
+
+@dataclass(slots=True)
+class LayerMix:
+    """Layer i's coefficients: learned 0-d scalars, or with MUDD per-token [T, 1] / [T, H]
+    values, all in x's dtype."""
+
+    resid_attn: Tensor
+    post_attn: Tensor
+    resid_mlp: Tensor
+    post_mlp: Tensor
+    x0: Tensor | None = None  # coefficient of x0_src (None: no term; the no-attention layer)
+    x0_src: Tensor | None = None  # x0, or (the connected last layer) the residual before layer 0
+    ngram: Tensor | None = None  # layer 0's scales the n-gram rows in the first residual
+    skip: Tensor | None = None  # the no-attention layer's skip gate
+    xsa: Tensor | None = None  # [T, H] XSA strength before tanh
+    attn_gate: Tensor | None = None  # [T, H]
+    v_extra: Tensor | None = None  # [T, D] added into V
+    ve_gate: Tensor | None = None  # [T, H]: replaces the ve_gate_bank gate
 
 
 EVAL_MATMULS = PlainMatmuls()  # eval never runs fp8 (nor advances its delayed scales)
@@ -127,16 +157,30 @@ class GPT(nn.Module):
         self.qk_bank, self.vo_bank, self.mlp_bank = (nn.Parameter(t) for t in (qk, vo, mlp))
 
         self.sa_lambdas = nn.Parameter(torch.tensor([[0.5, 1.0]] * nl))  # [L, 2] (V in, O out)
-        self.resid_lambdas = nn.Parameter(torch.full((nl, 2), math.sqrt(1.1)))  # [L, 2] (attn, mlp)
-        self.post_lambdas = nn.Parameter(torch.ones(nl, 2))  # [L, 2]
-        self.x0_lambdas = nn.Parameter(torch.zeros(nl))  # [L]
-        self.ngram_lambdas = nn.Parameter(torch.full((nl,), 0.05))  # [L]
+        self.resid_lambdas = nn.Parameter(torch.full((nl, 2), INITS.resid))  # [L, 2] (attn, mlp)
+        self.post_lambdas = nn.Parameter(torch.full((nl, 2), INITS.post))  # [L, 2]
         self.smear_gate = nn.Linear(SMEAR_DIMS, 1, bias=False)
         nn.init.zeros_(self.smear_gate.weight)
         self.smear_lambda = nn.Parameter(torch.zeros(()))
         self.skip_lambda = nn.Parameter(torch.tensor(-1.5))
-        self.skip_gate = nn.Parameter(torch.tensor(0.5))
-        self.ve_gate_bank = nn.Parameter(torch.zeros(len(c.value_embed_layers), h, 2 * VE_GATE_DIMS))
+        m = c.mudd
+        # the value-embedding gates' weights, one entry per gated layer (a connected last layer's
+        # gate comes from the connections)
+        gated = [i for i in c.value_embed_layers if not (m.connections and i == nl - 1)]
+        self.ve_gate_slot = {layer: k for k, layer in enumerate(gated)}
+        if gated:
+            self.ve_gate_bank = nn.Parameter(torch.zeros(len(gated), h, 2 * VE_GATE_DIMS))
+        if m.gates:  # per-token x0, n-gram and skip coefficients replace the scalars
+            self.gate_layout = GateLayout.build(m, nl, h, c.attention_layers, c.no_attention_layer, INITS)
+            self.mudd_gates = CoefBlocks(d, m.hidden, [list(b) for b in self.gate_layout.inits],
+                                         m.gate_scale, learn_scale=True)
+        else:
+            self.x0_lambdas = nn.Parameter(torch.full((nl,), INITS.x0))  # [L]
+            self.ngram_lambdas = nn.Parameter(torch.full((nl,), INITS.ngram))  # [L]
+            self.skip_gate = nn.Parameter(torch.tensor(INITS.skip))
+        if m.connections:
+            self.mudd_connections = CoefBlocks(d, m.hidden, connection_inits(m, INITS),
+                                               m.connection_scale, learn_scale=False)
 
         self.yarn = Yarn(dh, c.max_position)
         self.yarn_paired_head = Yarn(dh, c.max_position, paired=True)
@@ -224,40 +268,90 @@ class GPT(nn.Module):
                ws_short: int, ws_long: int, max_seq_len: int, matmuls: PlainMatmuls) -> Tensor:
         """Embedding through the last layer; returns rms_norm(x) [T, D]. `matmuls`: the MLP
         projections' strategy (the training forward's self.matmuls; eval's plain one)."""
-        c = self.config
+        c, m = self.config, self.config.mudd
         backend = self._backend(inputs.device)
+        last = c.num_layers - 1
         x = self.embed(inputs)  # [T, D]
         ngram = self.ngram_table.gather(ngram_slots, ngram_sink).to(x.dtype)  # [T, D]
         gate = torch.sigmoid(F.linear(x[1:, :SMEAR_DIMS], self.smear_gate.weight.to(x.dtype)))
         x = torch.cat([x[:1], x[1:] + self.smear_lambda.to(x.dtype) * gate * x[:-1]])
         x0 = rms_norm(x)
-        x = x0 + self.ngram_lambdas[0].to(x.dtype) * ngram
+        gates = GateValues(self.mudd_gates, self.gate_layout) if m.gates else None
+        if gates is not None:
+            gates.compute(0, x0)
+        mix = self._mix(0, x0, gates)
+        x = x0 + mix.ngram * ngram
         ves = {layer: self.value_embeds.lookup(k, inputs, value_embed_grad).to(x.dtype)
                for layer, k in self.ve_slot.items()}  # each [T, D]
-        skip, attn_in, backout = x, None, None  # attn_in: the later layers' attention input
+        # residuals kept for later layers: the skip, the later attention input, the backout and
+        # the connections' sources (embed: the first residual; source; previous: the last layer's input)
+        saved = {"embed": x}
+        skip, attn_in, backout = x, None, None
         for i in range(c.num_layers):
+            if gates is not None and i == m.split_layer:
+                gates.compute(1, x)
+            if i > 0:
+                mix = self._mix(i, x0, gates)
             if i == c.no_attention_layer:
-                x = x + (torch.sigmoid(self.skip_lambda) * self.skip_gate).to(x.dtype) * skip
+                x = x + (torch.sigmoid(self.skip_lambda).to(x.dtype) * mix.skip) * skip
             else:
                 window = ws_long if i in c.long_window_layers else ws_short
-                x = self._attention_block(i, x, x0, ngram, ves.get(i), cum_seqlens, window,
-                                          max_seq_len, backend, x if attn_in is None else attn_in)
-            x = self._mlp_block(i, x, matmuls)
+                source = x if attn_in is None else attn_in
+                if m.connections and i == last:
+                    saved["previous"] = x
+                    x, mix = self._connect_in(x, saved, mix)
+                x = self._attention_block(i, x, ngram, ves.get(i), cum_seqlens, window, max_seq_len,
+                                          backend, source, mix)
+            x = self._mlp_block(i, x, matmuls, mix)
             if i == c.skip_from_layer:
                 skip = x
             if i == c.attn_input_layer:
                 attn_in = x
             if i == c.backout_layer:
                 backout = x
+            if m.connections and i == m.source_layer:
+                saved["source"] = x
         if backout is not None and c.backout:
             x = x + c.backout * backout
+        if m.connections:
+            saved.update(skip=skip, value_embed=ves[c.value_embed_layers[0]])
+            mu = named(self.mudd_connections(x, 1), CONNECTION_OUT)  # each [T, 1]
+            x = x + sum(mu[name] * saved[name] for name in CONNECTION_OUT)
         return rms_norm(x)
 
-    def _attention_block(self, i: int, x: Tensor, x0: Tensor, ngram: Tensor, ve: Tensor | None,
+    def _mix(self, i: int, x0: Tensor, gates: GateValues | None) -> LayerMix:
+        """Layer i's coefficients: the learned scalars, or per-token gates (MuddConfig.gates)."""
+        dt = x0.dtype
+        mix = LayerMix(resid_attn=self.resid_lambdas[i, 0].to(dt), post_attn=self.post_lambdas[i, 0].to(dt),
+                   resid_mlp=self.resid_lambdas[i, 1].to(dt), post_mlp=self.post_lambdas[i, 1].to(dt),
+                   x0_src=x0)
+        if gates is None:
+            mix.x0, mix.ngram = self.x0_lambdas[i].to(dt), self.ngram_lambdas[i].to(dt)
+            mix.skip = self.skip_gate.to(dt)
+        else:
+            mix.x0, mix.ngram, mix.skip = (gates.get(i, r) for r in ("x0", "ngram", "skip"))
+            mix.xsa, mix.attn_gate = gates.get(i, "xsa"), gates.get(i, "attn_gate")
+        return mix
+
+    def _connect_in(self, x: Tensor, saved: dict, mix: LayerMix):
+        """The connections' first block, at the start of the last layer: a V term from the saved
+        residuals, x recombined from them, and the layer's per-token lambdas and VE gate."""
+        h = self.config.num_heads
+        mu = named(self.mudd_connections(x, 0), CONNECTION_IN)  # each [T, 1]
+        mix.v_extra = mu["v_embed"] * saved["embed"] + mu["v_source"] * saved["source"] + mu["v_self"] * x
+        mix.ve_gate = torch.cat([mu["ve_gate_a"].expand(-1, h // 2),
+                                 mu["ve_gate_b"].expand(-1, h - h // 2)], dim=-1)  # [T, H]
+        for name in ("resid_attn", "post_attn", "x0", "ngram", "resid_mlp", "post_mlp"):
+            setattr(mix, name, mu[name])
+        mix.x0_src = saved["embed"]
+        x = (1 + mu["r_self"]) * x + mu["r_embed"] * saved["embed"] + mu["r_source"] * saved["source"]
+        return x, mix
+
+    def _attention_block(self, i: int, x: Tensor, ngram: Tensor, ve: Tensor | None,
                          cum_seqlens: Tensor, window: int, max_seq_len: int, backend: str,
-                         attn_in: Tensor) -> Tensor:
+                         attn_in: Tensor, mix: LayerMix) -> Tensor:
         """Layer i's attention over rms_norm(attn_in) (x, or an earlier layer's residual:
-        GPTConfig.attn_input_layer) added into the residual x."""
+        GPTConfig.attn_input_layer) added into the residual x with mix's coefficients."""
         c = self.config
         t, h, dh, a = x.shape[0], c.num_heads, c.head_dim, self.attn_slot[i]
         lam = self.sa_lambdas[i].to(x.dtype)
@@ -266,16 +360,24 @@ class GPT(nn.Module):
         q, k = F.linear(xn, qk_w).view(t, 2, h, dh).unbind(1)  # [T, H, Dh] each
         v = F.linear(xn, self.vo_bank[2 * a].to(x.dtype)).view(t, h, dh) * lam[0]
         if ve is not None:
-            gate_in = torch.cat([xn[:, :VE_GATE_DIMS], ve[:, :VE_GATE_DIMS]], dim=-1)  # [T, 12]
-            gate = 2 * torch.sigmoid(F.linear(gate_in, self.ve_gate_bank[self.ve_slot[i]].to(x.dtype)))
+            gate = mix.ve_gate
+            if gate is None:
+                gate_in = torch.cat([xn[:, :VE_GATE_DIMS], ve[:, :VE_GATE_DIMS]], dim=-1)  # [T, 12]
+                w = self.ve_gate_bank[self.ve_gate_slot[i]].to(x.dtype)  # [H, 12]
+                gate = 2 * torch.sigmoid(F.linear(gate_in, w))
             v = v + gate[..., None] * ve.view(t, h, dh)
+        if mix.v_extra is not None:
+            v = v + mix.v_extra.view(t, h, dh)
         q, k = rms_norm(q), rms_norm(k)
         y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend)  # [T, H, Dh]
+        if mix.xsa is not None:
+            y = xsa(y, v, mix.xsa)
+        if mix.attn_gate is not None:
+            y = y * mix.attn_gate[..., None]
         y = F.linear(y.reshape(t, h * dh), self.vo_bank[2 * a + 1].to(x.dtype)) * lam[1]
-        r, p = self.resid_lambdas[i, 0].to(x.dtype), self.post_lambdas[i, 0].to(x.dtype)
-        x = r * x + p * y + self.x0_lambdas[i].to(x.dtype) * x0
+        x = mix.resid_attn * x + mix.post_attn * y + mix.x0 * mix.x0_src
         if i > 0:  # layer 0's n-gram term went into the residual's initial value
-            x = x + self.ngram_lambdas[i].to(x.dtype) * ngram
+            x = x + mix.ngram * ngram
         return x
 
     def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
@@ -297,10 +399,10 @@ class GPT(nn.Module):
             k = torch.cat([k[:, :, :half], torch.cat([k[:1, :, half:], k[:-1, :, half:]])], dim=-1)
         return attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
 
-    def _mlp_block(self, i: int, x: Tensor, matmuls: PlainMatmuls) -> Tensor:
+    def _mlp_block(self, i: int, x: Tensor, matmuls: PlainMatmuls, mix: LayerMix) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
         # with fp8 installed (training forward only), mlp_down advances layer i's delayed scales
         up = matmuls.matmul(rms_norm(x), w[0].t(), "mlp_up")  # [T, F]
         hidden = F.relu(up).square()  # [T, F]
         y = matmuls.matmul(hidden, w[1], "mlp_down", layer=i)  # [T, D]
-        return self.resid_lambdas[i, 1].to(x.dtype) * x + self.post_lambdas[i, 1].to(x.dtype) * y
+        return mix.resid_mlp * x + mix.post_mlp * y

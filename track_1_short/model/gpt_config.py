@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from track_1_short.model.tokens import PADDED_VOCAB
 from track_1_short.model.fp8_config import Fp8Config
+from track_1_short.model.mudd_config import MuddConfig
 from track_1_short.model.ngram_config import NgramConfig
 
 BACKENDS = ("auto", "reference", "flex", "varlen", "fa3")  # attention backends (model/attention.py)
@@ -50,6 +51,7 @@ class GPTConfig:
     eval_chunk_tokens: int = 8192  # eval_ce materialises [chunk, V] float32 logits at a time
     ngram: NgramConfig = field(default_factory=lambda: NgramConfig(cache_rows=2 * 262_144))
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    mudd: MuddConfig = field(default_factory=MuddConfig)  # per-token gates and connections (off)
 
     def __post_init__(self):
         layers = range(self.num_layers)
@@ -80,6 +82,11 @@ class GPTConfig:
         if self.backout and self.backout_layer is None:
             raise ValueError(f"GPTConfig.backout={self.backout} needs a backout_layer (the layer "
                              f"whose residual the final norm subtracts)")
+        if self.mudd.connections and self.backout:
+            raise ValueError(f"GPTConfig.backout={self.backout} with mudd.connections: the connections "
+                             f"learn the backout (MuddConfig.backout_init); set backout=0")
+        self.mudd.check(self.num_layers, self.attention_layers, self.paired_head_layers,
+                        self.value_embed_layers)
         if self.attn_out_init not in ATTN_OUT_INITS:
             raise ValueError(f"GPTConfig.attn_out_init={self.attn_out_init!r}: one of {ATTN_OUT_INITS}")
         if self.bank_pad_multiple < 1:
@@ -99,6 +106,7 @@ class GPTConfig:
             skip_from_layer=2, value_embed_layers=(1, 3, 5), max_position=4096,
             ngram=NgramConfig(vocab_size=vocab, dim=128, bigram_rows=4096, trigram_rows=4096,
                               cache_rows=2 * 4096),
+            mudd=MuddConfig(split_layer=3, xsa_layers=(1, 2), attn_gate_layers=(2, 5), source_layer=3),
         )
         fields.update(overrides)
         return cls(**fields)

@@ -70,10 +70,11 @@ PARAM_TABLE: tuple[tuple[tuple[str, ...], ParamConfig], ...] = (
     (("*ve_gate_bank",), _adam((0.9, 0.99), 1.0, 1.0)),
     (("*post_lambdas",), _adam((0.9, 0.95), 1.0, 0.0)),
     (("*resid_lambdas",), _adam((0.9, 0.95), 5.0, 0.0)),
-    (("*mudd_gate_w1", "*mudd_gate_w2"), _adam((0.9, 0.99), 0.1, 1.0)),
-    (("*mudd_gate_b2", "*mudd_gate_scale"), _adam((0.9, 0.99), 0.1, 0.0)),
-    (("*mudd_w1", "*mudd_w2"), _adam((0.9, 0.99), 0.25, 1.0)),
-    (("*mudd_b2",), _adam((0.9, 0.99), 0.25, 0.0)),
+    # model/mudd.py (GPTConfig.mudd): the gates' and the connections' MLPs
+    (("*mudd_gates.w1", "*mudd_gates.w2"), _adam((0.9, 0.99), 0.1, 1.0)),
+    (("*mudd_gates.b2", "*mudd_gates.scale"), _adam((0.9, 0.99), 0.1, 0.0)),
+    (("*mudd_connections.w1", "*mudd_connections.w2"), _adam((0.9, 0.99), 0.25, 1.0)),
+    (("*mudd_connections.b2",), _adam((0.9, 0.99), 0.25, 0.0)),
     (("*lambdas", "*lambda"), _adam((0.9, 0.99), 5.0, 0.0)),  # other scalar lambdas (smear, skip)
     (("*gate*",), _adam((0.9, 0.99), 1.0, 1.0)),  # remaining small gate weights (attention, skip)
 )

@@ -1,0 +1,245 @@
+"""GPTConfig.mudd (model/mudd.py) on the tiny config: the coefficient layout (HEAD's 26 pre-gate
+coefficients; its 41 post-gate ones less DC's 12), the inits that make the model at step 0 the one
+without MUDD, XSA's projection, per-token coefficients that reach every part they drive, the
+optimizer table, and a short trainer run with both parts on.
+
+Hardware: CPU only, under a minute on 2 cores.
+Run: `.venv/bin/python -m pytest tests/test_mudd.py -q`.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+from micro import nano_config
+
+from track_1_short.model.gpt import GPT, GPTConfig, INITS, rms_norm
+from track_1_short.model.mudd import CONNECTION_IN, GateLayout, xsa
+from track_1_short.model.mudd_config import MuddConfig
+from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.train import train
+from tests.test_model import _batch, _fcfg, _model, _slots, _store
+from tests.test_train import _losses
+
+BOTH = dict(gates=True, connections=True)
+
+
+def _mudd(**fields) -> MuddConfig:
+    """The tiny config's layer indices with `fields` changed."""
+    return dataclasses.replace(GPTConfig.tiny().mudd, **fields)
+
+
+def _trunk(model: GPT, inputs, cu) -> torch.Tensor:
+    with torch.no_grad():
+        return model._trunk(inputs, cu, _slots(model, inputs), None, None, 32, 96, 256, model.matmuls)
+
+
+def _same_weights(dst: GPT, src: GPT):
+    """Copy every parameter the two models share by name, and the n-gram table."""
+    theirs = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in dst.named_parameters():
+            if name == "ve_gate_bank":  # a connected last layer has no entry: copy by layer
+                for layer, k in dst.ve_gate_slot.items():
+                    p[k].copy_(src.ve_gate_bank[src.ve_gate_slot[layer]])
+            elif name in theirs:
+                p.copy_(theirs[name])
+    _store(dst).table.copy_(_store(src).table)
+
+
+def test_layout_of_the_speedrun_model_is_heads_coefficients_minus_dc():
+    """Speedrun layers: pre gate (layers 0-3) XSA 1, 3 (12) + output gate 3 (6) + x0/n-gram of
+    0-3 (8) = 26, HEAD's count; post gate XSA 4, 7 (12) + output gate 10 (6) + x0/n-gram of 4, 5,
+    7, 8, 9 (10: 6 has no attention, 10 is connected) + skip (1) = 29, HEAD's 41 less DC's 12."""
+    c = GPTConfig(mudd=MuddConfig(**BOTH))
+    layout = GateLayout.build(c.mudd, c.num_layers, c.num_heads, c.attention_layers,
+                              c.no_attention_layer, INITS)
+    assert [len(b) for b in layout.inits] == [26, 29]
+    # by layer: 0 x0/n-gram [0, 2); 1 XSA [2, 8), x0/n-gram; 2 x0/n-gram; 3 XSA [12, 18), gate [18, 24)
+    assert layout.where[(3, "attn_gate")] == (0, 18, 6) and (10, "x0") not in layout.where
+    assert layout.where[(1, "ngram")] == (0, 9, 1) and layout.inits[0][9] == 0.05
+    block, start, _ = layout.where[(6, "skip")]
+    assert block == 1 and layout.inits[1][start] == 0.5 and (6, "x0") not in layout.where
+    assert layout.inits[0][18:24] == (0.25,) * 6 and layout.inits[1][-6:] == (0.25,) * 6
+    without = GateLayout.build(MuddConfig(gates=True), c.num_layers, c.num_heads,
+                               c.attention_layers, c.no_attention_layer, INITS)
+    assert len(without.inits[1]) == 31 and (10, "x0") in without.where  # the gates serve layer 10
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(gates=True, xsa_layers=(0,)), "xsa_layers has \\[0\\]: XSA needs an unpaired"),
+    (dict(gates=True, attn_gate_layers=(4,)), "attn_gate_layers has \\[4\\]"),
+    (dict(gates=True, split_layer=6), "split_layer=6"),
+    (dict(connections=True, source_layer=5), "source_layer=5"),
+    (dict(hidden=0), "hidden=0"),
+])
+def test_config_names_the_field(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig.tiny(mudd=_mudd(**fields))
+
+
+def test_connections_refuse_a_constant_backout():
+    with pytest.raises(ValueError, match="connections learn the backout"):
+        GPTConfig.tiny(mudd=_mudd(connections=True), backout_layer=3, backout=-0.5)
+
+
+def test_at_init_the_gated_model_is_the_scalar_one():
+    """W2 starts at zero, so every gate equals its init: x0 0, n-gram 0.05, skip 0.5, XSA
+    tanh(0) = 0. With the output gates' init at 1 the gated trunk equals the scalar model's (same
+    weights otherwise); with HEAD's 0.25 it does not."""
+    inputs, _, cu = _batch(128, 8, 3)
+    base = _model()
+    gated = _model(mudd=_mudd(gates=True, attn_gate_init=1.0))
+    _same_weights(gated, base)
+    assert not hasattr(gated, "x0_lambdas") and not hasattr(gated, "skip_gate")
+    ref = _trunk(base, inputs, cu)
+    assert torch.allclose(_trunk(gated, inputs, cu), ref, atol=1e-5)
+    heads = _model(mudd=_mudd(gates=True))
+    _same_weights(heads, base)
+    assert not torch.allclose(_trunk(heads, inputs, cu), ref, atol=1e-3)
+
+
+def test_at_init_the_connected_model_is_the_constant_backout():
+    """Connections at init: no V term, no recombination, the last layer's lambdas and x0 /
+    n-gram coefficients equal the scalars, and the final norm reads x - 0.5 h_source: the model
+    with GPTConfig.backout_layer = source_layer, backout = -0.5 (given the scalar model's VE gate,
+    2 sigmoid(0) = 1, as ve_gate_init)."""
+    inputs, _, cu = _batch(128, 8, 3)
+    base = _model(backout_layer=3, backout=-0.5)
+    connected = _model(mudd=_mudd(connections=True, ve_gate_init=1.0))
+    _same_weights(connected, base)
+    ref = _trunk(base, inputs, cu)
+    assert torch.allclose(_trunk(connected, inputs, cu), ref, atol=1e-5)
+    both = _model(mudd=_mudd(gates=True, connections=True, ve_gate_init=1.0, attn_gate_init=1.0))
+    _same_weights(both, base)
+    assert torch.allclose(_trunk(both, inputs, cu), ref, atol=1e-5)
+
+
+def test_xsa_removes_the_component_along_the_own_value():
+    g = torch.Generator().manual_seed(0)
+    y, v = torch.randn(5, 2, 8, generator=g), torch.randn(5, 2, 8, generator=g)
+    full = xsa(y, v, torch.full((5, 2), 30.0))  # tanh(30) = 1 in float32
+    assert torch.allclose((full * v).sum(-1), torch.zeros(5, 2), atol=1e-5)
+    assert torch.equal(xsa(y, v, torch.zeros(5, 2)), y)
+    half = xsa(y, v, torch.full((5, 2), math.atanh(0.5)))
+    assert torch.allclose(half, 0.5 * (y + full), atol=1e-6)
+
+
+def _live(model: GPT, seed=1):
+    """Non-zero W2 so the coefficients vary per token (as after training)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".w2"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def test_per_token_coefficients_drive_the_model_and_get_gradient():
+    """With W2 non-zero the trunk changes, every MUDD parameter gets a gradient, and each
+    block's coefficients vary over tokens; changing one role's bias changes the output."""
+    inputs, targets, cu = _batch(128, 8, 3)
+    model = _model(mudd=_mudd(**BOTH))
+    before = _trunk(model, inputs, cu)
+    _live(model)
+    assert not torch.allclose(_trunk(model, inputs, cu), before, atol=1e-3)
+    loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0, 0.5])).sum()
+    loss.backward()
+    for name, p in model.named_parameters():
+        if name.startswith("mudd_"):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    x0 = rms_norm(torch.randn(16, 128))
+    assert model.mudd_gates(x0, 0).std(0).min() > 0 and model.mudd_connections(x0, 1).std(0).min() > 0
+    out = _trunk(model, inputs, cu)
+    for role in ("v_embed", "r_source", "ve_gate_a", "post_attn", "x0", "ngram", "post_mlp"):
+        k = CONNECTION_IN.index(role)
+        with torch.no_grad():
+            model.mudd_connections.b2[0, k] += 1.0
+        assert not torch.allclose(_trunk(model, inputs, cu), out, atol=1e-4), role
+        with torch.no_grad():
+            model.mudd_connections.b2[0, k] -= 1.0
+
+
+def test_optimizer_table_and_dtypes():
+    model = GPT(GPTConfig.tiny(mudd=_mudd(**BOTH)))
+    cfgs = build_param_cfgs(model.named_parameters())
+    by_name = {name: cfgs[p] for name, p in model.named_parameters()}
+    assert by_name["mudd_gates.w1"].lr_mul == 0.1 and by_name["mudd_gates.w1"].wd_mul == 1.0
+    assert by_name["mudd_gates.scale"].wd_mul == 0.0 and by_name["mudd_gates.b2"].wd_mul == 0.0
+    assert by_name["mudd_connections.w2"].lr_mul == 0.25
+    assert by_name["mudd_connections.b2"].wd_mul == 0.0
+    assert all(c.optim == "adam" and c.comm == "all_reduce"
+               for n, c in by_name.items() if n.startswith("mudd_"))
+    assert model.mudd_gates.scale.dim() == 0 and model.mudd_gates.scale.item() == pytest.approx(0.1)
+
+
+def _nano_mudd(shard_dir, runs_dir, run_id, **train_kw):
+    """The nano trainer config (3 layers: 0 paired, 1 no attention, 2 long) with both parts on."""
+    cfg = nano_config(shard_dir, runs_dir, run_id, **train_kw)
+    cfg.model = dataclasses.replace(cfg.model, mudd=MuddConfig(
+        gates=True, connections=True, split_layer=1, xsa_layers=(2,), attn_gate_layers=(0, 2),
+        source_layer=1))
+    return cfg
+
+
+def test_trainer_trains_mudd_and_resumes_exactly(shard_dir, tmp_path):
+    """The trainer with both parts on: four steps (two Adam steps: W1's gradient flows through
+    W2, which the first one moves off zero) move every MUDD parameter, and
+    a run resumed from step 8 continues bit-equal (the parameters and their Adam state are in
+    the checkpoint; the config records the parts)."""
+    from track_1_short.distributed import init_distributed
+    from track_1_short.trainer.build import build_run, make_loader, make_spec
+    from track_1_short.trainer.step import train_step
+    from track_1_short.trainer.stop import GracefulStop
+
+    cfg = _nano_mudd(shard_dir, tmp_path, "steps")
+    ctx = init_distributed(60, "cpu")
+    run = build_run(make_spec(cfg, ctx, tmp_path / "steps"), GracefulStop(ctx))
+    mudd = {n: p.detach().clone() for n, p in run.parts.model.named_parameters() if n.startswith("mudd_")}
+    assert len(mudd) == 7  # gates w1, w2, b2, scale; connections w1, w2, b2
+    loader = make_loader(run.spec)
+    try:
+        for step in range(4):
+            train_step(run.spec, run.parts, step, loader, run.log.timer)
+    finally:
+        loader.close()
+    params = dict(run.parts.model.named_parameters())
+    assert [n for n, p in mudd.items() if torch.equal(params[n], p)] == []
+
+    assert train(_nano_mudd(shard_dir, tmp_path, "full")) == 0
+    assert train(_nano_mudd(shard_dir, tmp_path, "first", max_steps=8)) == 0
+    ckpt = tmp_path / "first" / "ckpt_step000008"
+    assert train(_nano_mudd(shard_dir, tmp_path, "resumed", resume=ckpt)) == 0
+    full, first, resumed = (_losses(tmp_path / n) for n in ("full", "first", "resumed"))
+    assert {s: full[s] for s in range(8)} == first
+    assert {s: full[s] for s in range(8, 12)} == resumed
+    config = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert config["model"]["mudd"]["gates"] is True and config["model"]["mudd"]["connections"] is True
+
+
+def test_compiles_fullgraph_and_equals_eager():
+    """torch.compile(fullgraph=True, dynamic=False) over the model with both parts on: one graph
+    (no break on the per-layer mixes), the loss and every MUDD gradient equal to eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from tests.test_model import SMALL_VOCAB
+
+    model = _model(vocab_size=SMALL_VOCAB, mudd=_mudd(**BOTH))
+    _live(model)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=False, backend=counter)
+    inputs, targets, cu = _batch(64, 8, 3, vocab=SMALL_VOCAB)
+    slots = _slots(model, inputs)
+    grads = []
+    for run in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        loss = run(inputs, targets, cu, slots, _fcfg([1.0, 0.5], ws=(16, 48), max_len=32))
+        loss.sum().backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                      if n.startswith("mudd_")}))
+    assert counter.frame_count == 1
+    (eager_loss, eager_grads), (loss, compiled_grads) = grads
+    assert torch.allclose(loss, eager_loss, atol=1e-5)
+    for name, g in eager_grads.items():
+        assert torch.allclose(compiled_grads[name], g, atol=1e-5, rtol=1e-4), name

@@ -1,0 +1,162 @@
+"""Per-token coefficients from small MLPs: the gates and the connections of MuddConfig
+(HEAD modded-nanogpt's MUDD gates and MUDD connections, facts 1.5), and the layout that says which
+coefficient serves which layer. GPT (model/gpt.py) builds one LayerMix per layer from them.
+
+One block: coefs(x) = (W2 gelu(W1 x) + b) * s, x [T, D] -> [T, NC].
+- W1 [NB, hidden, D] drawn as nn.Linear's default (kaiming uniform), W2 [NB, NC, hidden] zero: at
+  init every coefficient equals its init value b*s whatever x is (the model starts as the one
+  without MUDD, except for the values HEAD picks differently: see the inits below).
+- b [NB, NC] is stored in the pre-scaled domain (init / s), as HEAD's, so Adam's steps on b are
+  in units of s. s: a learned scalar for the gates (`mudd_gates.scale`, init
+  MuddConfig.gate_scale), the constant MuddConfig.connection_scale for the connections.
+
+Gates (`mudd_gates`, 2 blocks; GateLayout): block 0 reads x0 and serves the layers before
+MuddConfig.split_layer, block 1 reads the residual entering split_layer and serves the rest. Per
+layer, in this order: XSA strength [H] (xsa_layers, init 0: off), attention output gate [H]
+(attn_gate_layers, init attn_gate_init), x0 coefficient [1] and n-gram coefficient [1] (every
+attention layer but a connected last layer; the scalars' inits), the skip gate [1] (the
+no-attention layer; the scalar's init).
+
+Connections (`mudd_connections`, 2 blocks of fixed roles, CONNECTION_IN / CONNECTION_OUT): block 0
+reads the residual entering the last layer, block 1 the residual after it. Sources: `embed` the
+residual after the n-gram injection (before layer 0), `source` the residual after
+MuddConfig.source_layer, `self`/`previous` the residual entering the last layer, `skip` the
+skip_from_layer output, `value_embed` the first value-embedding table's rows.
+
+What must stay stable: parameters only (no buffers); the coefficients are computed in the
+forward, so nothing here is state for the step graphs beyond the parameters.
+
+Legend: T tokens, D model dim, H heads, NB blocks, NC coefficients of the widest block.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from track_1_short.model.mudd_config import MuddConfig
+
+GATE_ROLES = ("xsa", "attn_gate", "x0", "ngram", "skip")
+# block 0 of the connections, at the start of the last layer: V term (3), residual
+# recombination (3), value-embedding gate lanes (2, each over half of the heads), the layer's
+# attention lambdas, x0 / n-gram coefficients and MLP lambdas (6)
+CONNECTION_IN = ("v_embed", "v_source", "v_self", "r_embed", "r_source", "r_self", "ve_gate_a",
+                 "ve_gate_b", "resid_attn", "post_attn", "x0", "ngram", "resid_mlp", "post_mlp")
+# block 1, after the last layer: x += sum of these sources, each with its own coefficient
+CONNECTION_OUT = ("embed", "source", "previous", "value_embed", "skip")
+XSA_EPS = 1e-8  # XSA's floor on |v|^2
+
+
+@dataclass(frozen=True, slots=True)
+class ScalarInits:
+    """The learned scalars' init values (GPT's), which the per-token coefficients start from."""
+
+    resid: float
+    post: float
+    x0: float
+    ngram: float
+    skip: float
+
+
+class CoefBlocks(nn.Module):
+    """Concern: NB coefficient MLPs sharing one parameter set (w1, w2, b2[, scale])."""
+
+    def __init__(self, dim: int, hidden: int, inits: list[list[float]], scale: float, learn_scale: bool):
+        super().__init__()
+        nb, nc = len(inits), max(1, max(len(b) for b in inits))
+        self.num_coefs = [len(b) for b in inits]
+        self.w1 = nn.Parameter(torch.empty(nb, hidden, dim))  # [NB, hidden, D]
+        for j in range(nb):
+            nn.init.kaiming_uniform_(self.w1.data[j], a=math.sqrt(5))
+        self.w2 = nn.Parameter(torch.zeros(nb, nc, hidden))  # [NB, NC, hidden]
+        b = torch.zeros(nb, nc)
+        for j, values in enumerate(inits):
+            b[j, : len(values)] = torch.tensor(values) / scale
+        self.b2 = nn.Parameter(b)  # [NB, NC], pre-scaled
+        if learn_scale:
+            self.scale = nn.Parameter(torch.tensor(scale))
+        else:
+            self.scale = scale
+
+    def forward(self, x: Tensor, block: int) -> Tensor:
+        """Block `block`'s coefficients for x [T, D] -> [T, num_coefs[block]], x's dtype."""
+        n = self.num_coefs[block]
+        h = F.gelu(F.linear(x, self.w1[block].to(x.dtype)))  # [T, hidden]
+        out = F.linear(h, self.w2[block, :n].to(x.dtype)) + self.b2[block, :n].to(x.dtype)
+        scale = self.scale.to(x.dtype) if isinstance(self.scale, Tensor) else self.scale
+        return out * scale  # [T, n]
+
+
+@dataclass(frozen=True, slots=True)
+class GateLayout:
+    """Where each gate coefficient sits: (layer, role) -> (block, first column, width)."""
+
+    inits: tuple[tuple[float, ...], ...]  # per block, the init value of each coefficient
+    where: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, mudd: MuddConfig, num_layers: int, num_heads: int, attention_layers: list[int],
+              no_attention_layer: int | None, inits: ScalarInits) -> "GateLayout":
+        blocks: list[list[float]] = [[], []]
+        where = {}
+        connected_last = num_layers - 1 if mudd.connections else None
+
+        def add(block, layer, role, values):
+            where[(layer, role)] = (block, len(blocks[block]), len(values))
+            blocks[block].extend(values)
+
+        for i in range(num_layers):
+            b = 0 if i < mudd.split_layer else 1
+            if i in mudd.xsa_layers:
+                add(b, i, "xsa", [0.0] * num_heads)
+            if i in mudd.attn_gate_layers:
+                add(b, i, "attn_gate", [mudd.attn_gate_init] * num_heads)
+            if i in attention_layers and i != connected_last:
+                add(b, i, "x0", [inits.x0])
+                add(b, i, "ngram", [inits.ngram])
+            if i == no_attention_layer:
+                add(b, i, "skip", [inits.skip])
+        return cls(inits=tuple(tuple(v) for v in blocks), where=where)
+
+
+class GateValues:
+    """One forward's gate outputs: each block computed once (`compute`), then looked up by
+    (layer, role) as a [T, width] view."""
+
+    def __init__(self, gates: CoefBlocks, layout: GateLayout):
+        self.gates, self.layout, self.out = gates, layout, {}
+
+    def compute(self, block: int, x: Tensor):
+        self.out[block] = self.gates(x, block)  # [T, NC_block]
+
+    def get(self, layer: int, role: str) -> Tensor | None:
+        loc = self.layout.where.get((layer, role))
+        if loc is None:
+            return None
+        block, start, width = loc
+        return self.out[block][:, start: start + width]  # [T, width]
+
+
+def connection_inits(mudd: MuddConfig, inits: ScalarInits) -> list[list[float]]:
+    """Init values of the two connection blocks, in CONNECTION_IN / CONNECTION_OUT order."""
+    block_in = dict.fromkeys(CONNECTION_IN, 0.0)
+    block_in.update(ve_gate_a=mudd.ve_gate_init, ve_gate_b=mudd.ve_gate_init, resid_attn=inits.resid,
+                    post_attn=inits.post, x0=inits.x0, ngram=inits.ngram, resid_mlp=inits.resid,
+                    post_mlp=inits.post)
+    block_out = dict.fromkeys(CONNECTION_OUT, 0.0)
+    block_out["source"] = mudd.backout_init
+    return [list(block_in.values()), list(block_out.values())]
+
+
+def named(coefs: Tensor, roles: tuple[str, ...]) -> dict[str, Tensor]:
+    """[T, len(roles)] -> {role: [T, 1]}."""
+    return dict(zip(roles, coefs.split(1, dim=-1)))
+
+
+def xsa(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
+    """Exclusive self attention (arXiv:2603.09078), gated: y minus tanh(alpha) of its component
+    along the token's own value vector. y, v [T, H, Dh], alpha [T, H] -> [T, H, Dh]."""
+    along = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(XSA_EPS)
+    return y - torch.tanh(alpha)[..., None] * along * v
