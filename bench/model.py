@@ -38,6 +38,7 @@ import torch
 
 from bench import common
 from track_1_short.constants import H200_DENSE_BF16_TFLOPS
+from track_1_short.model.gpt_config import BACKENDS
 from track_1_short.perf.cuda_graphs.capture_support import loss_grads
 from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.perf.cuda_graphs.step_graphs import training_loss
@@ -165,7 +166,7 @@ def parse(argv):
     p.add_argument("--out", type=Path, default=Path("docs/results/model_h200.json"))
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="fp8 lm head and MLP matmuls on/off (default: the preset's GPTConfig.fp8)")
-    p.add_argument("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"))
+    p.add_argument("--attention", choices=BACKENDS)
     p.add_argument("--no-compile", action="store_true", help="time the uncompiled model")
     p.add_argument("--profile-top", type=int, default=0, metavar="N",
                    help="also profile --iters steps (torch.profiler, CUDA): kernel and busy ms per "

@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from track_1_short.model.gpt_config import GPTConfig
+from track_1_short.model.gpt_config import BACKENDS, GPTConfig
 from track_1_short.optim.anvil_config import AnvilConfig
 from track_1_short.perf.cuda_graphs.graphs_config import GRAPH_MODES, StepGraphsConfig
 from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, StageConfig
@@ -280,7 +280,7 @@ def _add_speed_flags(add) -> None:
     add("--warmup-only", action="store_true",
         help="compile, capture and self-check every key, write warmup.json, exit (fills the "
              "compile caches for a following run on the same machine)")
-    add("--attention", choices=("auto", "flex", "varlen", "fa3", "reference"),
+    add("--attention", choices=BACKENDS,
         help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
 
 

@@ -19,6 +19,8 @@ Backends:
                ("FlexAttention does not support backward on CPU"), so `auto` never picks it on CPU.
 - "varlen":    torch.nn.attention.varlen.varlen_attn (FA2), CUDA eager only (not graph-safe).
 - "fa3":       varlen_attn after activate_flash_attention_impl("FA3"), where that works.
+- "fa4":       FlashAttention 4 varlen (the flash-attn-4 package) as two custom ops
+               (model/attention_fa4.py), CUDA SM90 / SM100; compiles and captures like flex.
 `resolve_backend("auto", device)`: CUDA -> "flex", CPU -> "reference". The trainer logs the result.
 
 What must stay stable: nothing here owns memory; `window` and `max_seqlen` are Python ints the
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from track_1_short.model.attention_fa4 import fa4_attention, fa4_available
 from track_1_short.model.tokens import BLOCK_TOKENS
 from track_1_short.model.gpt_config import BACKENDS
 
@@ -67,6 +70,10 @@ def resolve_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"attention backend {name!r} needs CUDA; use 'reference' on {device}")
     if name == "fa3" and not _fa3_available():
         raise ValueError("attention backend 'fa3': FA3 is not importable here; use 'flex'")
+    if name == "fa4":
+        usable, why = fa4_available(device)
+        if not usable:
+            raise ValueError(f"attention backend 'fa4' cannot run on {device}: {why}; use 'flex'")
     return name
 
 
@@ -172,6 +179,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, max_seqlen: 
         return flex_attention(q, k, v, cum_seqlens, window, scale)
     if backend in ("varlen", "fa3"):
         return varlen_attention(q, k, v, cum_seqlens, max_seqlen, window, scale)
+    if backend == "fa4":
+        return fa4_attention(q, k, v, cum_seqlens, max_seqlen, window, scale)
     raise ValueError(f"attention backend {backend!r} not resolved; call resolve_backend first")
 
 

@@ -13,7 +13,7 @@ from track_1_short.model.fp8_config import Fp8Config
 from track_1_short.model.mudd_config import MuddConfig
 from track_1_short.model.ngram_config import NgramConfig
 
-BACKENDS = ("auto", "reference", "flex", "varlen", "fa3")  # attention backends (model/attention.py)
+BACKENDS = ("auto", "reference", "flex", "varlen", "fa3", "fa4")  # attention backends (model/attention.py)
 ATTN_OUT_INITS = ("zero", "uniform")  # the attention output projections' init (GPTConfig.attn_out_init)
 
 
