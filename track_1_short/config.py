@@ -35,6 +35,7 @@ from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, St
 
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
+MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 
 
@@ -97,6 +98,10 @@ class TrainConfig:
     validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
     # the fused lm-head + softcapped CE kernel (kernels/softcap_ce.py) on CUDA with a bf16 lm head
     fused_loss: bool = True
+    # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
+    # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
+    # kernels/relu2_mlp.py; CUDA SM90 / SM100, bf16 MLP: not with fp8 on mlp_up / mlp_down)
+    mlp_kernel: str = "torch"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -124,6 +129,8 @@ class TrainConfig:
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
+        if self.mlp_kernel not in MLP_KERNELS:
+            raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
         if self.max_autotune and (not self.compile or self.compile_backend != "inductor"):
             raise ValueError("TrainConfig.max_autotune needs the compiled model with the inductor "
                              f"backend (compile={self.compile}, compile_backend={self.compile_backend!r})")
@@ -168,6 +175,10 @@ class RunConfig:
             raise ValueError(f"model.max_position={self.model.max_position} must cover 2x the "
                              f"largest step ({largest} tokens, paired heads double positions) and "
                              f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
+        fp8_mlp = self.model.fp8.enabled and {"mlp_up", "mlp_down"} & set(self.model.fp8.sites)
+        if self.train.mlp_kernel == "quack" and fp8_mlp:
+            raise ValueError(f"--mlp-kernel quack runs the MLP in bf16: it cannot take fp8 on "
+                             f"{sorted(fp8_mlp)} (model.fp8.sites); drop one of the two")
         if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
             raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
                              f"be 1, got {self.schedule.adam_every} (from_args sets it)")
@@ -280,6 +291,9 @@ def _add_speed_flags(add) -> None:
     add("--warmup-only", action="store_true",
         help="compile, capture and self-check every key, write warmup.json, exit (fills the "
              "compile caches for a following run on the same machine)")
+    add("--mlp-kernel", choices=MLP_KERNELS,
+        help="the training forward's MLP: torch (default) or quack (fused ReLU^2 epilogues, "
+             "quack-kernels on CUDA SM90/SM100)")
     add("--attention", choices=BACKENDS,
         help="attention backend (default auto: flex on CUDA, reference on CPU; logged)")
 
@@ -435,6 +449,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.train, "compile", args.compile)
     _set(cfg.train, "compile_cache", args.compile_cache)
     _set(cfg.train, "fused_loss", args.fused_loss)
+    _set(cfg.train, "mlp_kernel", args.mlp_kernel)
     _set(cfg.train, "optimizer", args.optimizer)
     if cfg.train.optimizer == "adamw":  # AdamW updates every step (optim/adamw_baseline.py)
         cfg.schedule.adam_every = 1

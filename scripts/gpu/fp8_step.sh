@@ -18,7 +18,10 @@
 #            otherwise). Needs the package: the call before carries [".carry/fa4a"] and this one
 #            [".carry/fa4b", ".carry/tiktoken", "data/embedded"] (scripts/gpu/fa4_wheels.sh); this
 #            script then runs fa4_install.sh and the fa4 GPU tests first, e.g.
-#            DATA=data/embedded VARIANTS="bf16 fa4" bash scripts/gpu/fp8_step.sh
+#            DATA=data/embedded VARIANTS="bf16 fa4 quack_mlp fa4_quack" bash scripts/gpu/fp8_step.sh
+#   quack_mlp --set train.mlp_kernel=quack: the MLP's GEMMs from quack-kernels with ReLU^2 and its
+#            derivative in their epilogues (kernels/relu2_mlp.py; the same package carry as fa4)
+#   fa4_quack both
 # Estimated wall, one H200, cold: ~180 s per variant at C (each compiles its own graphs, ~120 s,
 # then capture, self-check and 22 steps of ~0.72 s), so three variants need ~540 s; each gets what
 # is left of the call's deadline (DEADLINE_S, 585 s) and a cut one still leaves its JSON so far.
@@ -31,6 +34,8 @@ variant_flags() {
     fp8_all) echo --set model.fp8.enabled=true ;;
     autotune) echo --set train.max_autotune=true ;;
     fa4) echo --set model.attention_backend=fa4 ;;
+    quack_mlp) echo --set train.mlp_kernel=quack ;;
+    fa4_quack) echo --set model.attention_backend=fa4 --set train.mlp_kernel=quack ;;
     *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }
@@ -40,13 +45,13 @@ step_variant() {  # NAME LIMIT_S FLAGS...
   timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
       --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
 }
-if [[ " $VARIANTS " == *" fa4 "* ]]; then  # the package, then its kernels against the reference
+if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack)\  ]]; then  # the package, then its kernels' GPU tests
   bash scripts/gpu/fa4_install.sh > "$L/fa4_install.log" 2>&1 || { cat "$L/fa4_install.log"; pack_outputs; exit 2; }
   source .fa4_site/ENV
-  timeout -k 10 240 python3 -m pytest -m gpu -v -p no:cacheprovider -rA tests/test_attention_gpu.py -k fa4 \
-      > "$L/fa4_gpu_tests.log" 2>&1
-  echo "exit $? after $(elapsed) s" >> "$L/fa4_gpu_tests.log"
-  tail -n 12 "$L/fa4_gpu_tests.log"
+  timeout -k 10 240 python3 -m pytest -m gpu -v -p no:cacheprovider -rA tests/test_relu2_mlp_gpu.py \
+      tests/test_attention_gpu.py -k "fa4 or quack" > "$L/fa4_quack_gpu_tests.log" 2>&1
+  echo "exit $? after $(elapsed) s" >> "$L/fa4_quack_gpu_tests.log"
+  tail -n 12 "$L/fa4_quack_gpu_tests.log"
 fi
 run_variants fp8_step 15 90 step_variant || exit 2
 python3 - "$OUT" "$STAGE" <<'EOF' 2>&1 | tee -a "$L/fp8_step.log"

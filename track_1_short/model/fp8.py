@@ -369,9 +369,19 @@ class PlainMatmuls(nn.Module):
     """The default matmul strategy of GPT's training forward (and always of eval): x @ w in x's
     dtype at every call site. No buffers. The trainer installs Fp8Matmuls instead (--fp8)."""
 
+    mlp_label: str | None = None  # a fused MLP strategy names itself here (the trainer's log line)
+
     def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
         """x [T, K] @ w [K, N] -> [T, N] in x's dtype (`which`, `layer` name the call site)."""
         return x @ w.to(x.dtype)
+
+    def relu2_mlp(self, x: Tensor, w_up: Tensor, w_down: Tensor, layer: int) -> Tensor:
+        """The MLP: relu(x @ w_up^T)^2 @ w_down, x [T, D], w_up [F, D] (out x in), w_down [F, D]
+        (in x out) -> [T, D]; through `matmul` per call site (mlp_up, then mlp_down of `layer`).
+        The one definition of the MLP's math: kernels/relu2_mlp.py's fused strategy is checked
+        against it."""
+        up = self.matmul(x, w_up.t(), "mlp_up")  # [T, F]
+        return self.matmul(torch.relu(up).square(), w_down, "mlp_down", layer=layer)
 
 
 class Fp8Matmuls(PlainMatmuls):

@@ -401,8 +401,7 @@ class GPT(nn.Module):
 
     def _mlp_block(self, i: int, x: Tensor, matmuls: PlainMatmuls, mix: LayerMix) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)
-        # with fp8 installed (training forward only), mlp_down advances layer i's delayed scales
-        up = matmuls.matmul(rms_norm(x), w[0].t(), "mlp_up")  # [T, F]
-        hidden = F.relu(up).square()  # [T, F]
-        y = matmuls.matmul(hidden, w[1], "mlp_down", layer=i)  # [T, D]
+        # with fp8 installed (training forward only), mlp_down advances layer i's delayed scales;
+        # with a fused MLP kernel installed (kernels/relu2_mlp.py), one kernel per projection
+        y = matmuls.relu2_mlp(rms_norm(x), w[0], w[1], layer=i)  # [T, D]
         return mix.resid_mlp * x + mix.post_mlp * y

@@ -9,8 +9,9 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
   2. attention backend: a per-device choice the compiled forward specializes on;
   3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
-     need the device, add scale buffers the graphs bake) and the fused lm-head loss kernel
-     (CUDA, bf16 head; --no-fused-loss keeps the torch loss): both change what compile traces;
+     need the device, add scale buffers the graphs bake), or the fused ReLU^2 MLP (--mlp-kernel
+     quack, kernels/relu2_mlp.py), and the fused lm-head loss kernel (CUDA, bf16 head;
+     --no-fused-loss keeps the torch loss): all change what compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
@@ -108,6 +109,20 @@ def _install_fp8(model: GPT, device: torch.device) -> None:
         model.matmuls = fp8
 
 
+def _install_mlp_kernel(model: GPT, device: torch.device, kernel: str) -> None:
+    """TrainConfig.mlp_kernel="quack": the fused ReLU^2 MLP (kernels/relu2_mlp.py) as the
+    training forward's matmul strategy; an error naming the reason where it cannot run (asked
+    for explicitly: no silent fallback to the torch MLP)."""
+    if kernel == "torch":
+        return
+    from track_1_short.kernels.relu2_mlp import QuackRelu2Matmuls, quack_unavailable_reason
+
+    reason = quack_unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"--mlp-kernel quack cannot run on {device}: {reason}")
+    model.matmuls = QuackRelu2Matmuls()
+
+
 def _fp8_sites(model: GPT) -> tuple[str, ...]:
     """The call sites the training forward runs in fp8 (none without an active Fp8Matmuls)."""
     return model.config.fp8.sites if isinstance(model.matmuls, Fp8Matmuls) else ()
@@ -140,12 +155,15 @@ def describe_strategies(model: GPT) -> str:
     """One log line: which matmuls and which loss the training forward runs."""
     sites = _fp8_sites(model)
     matmuls = f"fp8 ({', '.join(sites)}), otherwise bf16/fp32" if sites else "bf16/fp32"
+    if model.matmuls.mlp_label:
+        matmuls += f" (the MLP: {model.matmuls.mlp_label})"
     loss = ("fused Triton kernel (kernels/softcap_ce.py)" if model.head_loss is not None
             else "torch (model/loss.py)")
     return f"training forward: {matmuls} matmuls, {loss} loss"
 
 
-def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True) -> GPT:
+def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True,
+                       mlp_kernel: str = "torch") -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
         for name, p in model.named_parameters():
@@ -153,6 +171,7 @@ def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
     _install_fp8(model, device)
+    _install_mlp_kernel(model, device, mlp_kernel)
     _install_fused_loss(model, device, fused_loss)
     return model
 
@@ -162,7 +181,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
-    prepare_for_device(model, device, cfg.train.fused_loss)  # 1.-3.
+    prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel)  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,

@@ -1,0 +1,100 @@
+"""The ReLU^2 MLP with the activation in the GEMM epilogues, from quack-kernels (CuTe DSL GEMMs
+for SM90 / SM100): TrainConfig.mlp_kernel = "quack".
+
+What it replaces: PlainMatmuls.relu2_mlp's three kernels per direction (model/fp8.py: the up
+GEMM, relu().square() as an elementwise kernel, the down GEMM; in the backward the down GEMM's
+input gradient, the ReLU^2 derivative elementwise, then the up GEMM's gradients). At stage C the
+elementwise kernels cost ~31 ms per step of 8 micro-steps on one H200 (docs/results/README.md,
+2026-12-01 sixth lease): each reads and writes a [T, 3072] bf16 tensor per layer.
+
+Math (the same as PlainMatmuls.relu2_mlp, the reference; x [T, D], w_up [F, D] out x in, w_down
+[F, D] in x out):
+    forward   pre = x @ w_up^T, post = relu(pre)^2  (one gemm_act, relu_sq epilogue: saves pre)
+              y = post @ w_down                      (cuBLAS)
+    backward  d_pre = (dy @ w_down^T) * 2 relu(pre), post again (one gemm_dact epilogue)
+              dw_down = (post^T @ dy)^T layout [F, D], dx = d_pre @ w_up, dw_up = d_pre^T @ x
+quack's ops are torch.library custom ops with fake implementations, so the autograd.Function
+below traces under torch.compile(fullgraph=True); they allocate their outputs with torch.empty
+(capture-safe) and autotune per shape at their first call, which the step graphs' warm
+iterations make before any capture.
+
+`_quack()` is the one place the library is imported (flash-attn-4's dependency; on the H200 hosts
+scripts/gpu/fa4_wheels.sh carries both); the CPU tests replace it with torch stand-ins to check
+the plumbing. The kernels: tests/test_relu2_mlp_gpu.py on the H200.
+
+Legend: T tokens, D model dim, F MLP hidden.
+"""
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from track_1_short.model.fp8 import PlainMatmuls
+
+QUACK_HINT = ("pip install quack-kernels (with nvidia-cutlass-dsl-libs-cu13 for CUDA 13); on a host "
+              "without a registry: scripts/gpu/fa4_wheels.sh here, fa4_install.sh there, then "
+              "source .fa4_site/ENV")
+
+
+_lib = None  # quack.gemm_interface once imported (the CPU tests set a stand-in)
+
+
+def _quack():
+    """quack.gemm_interface, or ImportError naming the package. Imported once (at install, by
+    QuackRelu2Matmuls), so the traced forward only reads the module global."""
+    global _lib
+    if _lib is None:
+        try:
+            _lib = importlib.import_module("quack.gemm_interface")
+        except ImportError as e:
+            raise ImportError(f"TrainConfig.mlp_kernel='quack' needs quack-kernels ({e}); "
+                              f"{QUACK_HINT}") from e
+    return _lib
+
+
+def quack_unavailable_reason(device: torch.device) -> str | None:
+    """None when the quack MLP can run on `device`, else why not."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return "needs CUDA"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10):
+        return f"needs compute capability 9.x or 10.x, this GPU has {major}.x"
+    try:
+        _quack()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+class _Relu2Mlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+        q = _quack()
+        pre, post = q.gemm_act(x, w_up.t(), activation="relu_sq", store_preact=True)  # [T, F] each
+        ctx.save_for_backward(x, w_up, w_down, pre)
+        return post @ w_down  # [T, D]
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, w_up, w_down, pre = ctx.saved_tensors
+        dy = dy.contiguous()
+        d_pre, post = _quack().gemm_dact(dy, w_down.t(), pre, activation="relu_sq")  # [T, F] each
+        dx = d_pre @ w_up  # [T, D]
+        dw_up = d_pre.t() @ x  # [F, D]
+        dw_down = post.t() @ dy  # [F, D]
+        return dx, dw_up, dw_down
+
+
+class QuackRelu2Matmuls(PlainMatmuls):
+    """The training forward's matmul strategy with the fused MLP (plain matmuls elsewhere).
+    Installed by the trainer as GPT.matmuls (trainer/build.py); eval keeps PlainMatmuls."""
+
+    mlp_label = "quack GEMMs with ReLU^2 in the epilogues (kernels/relu2_mlp.py)"
+
+    def __init__(self):
+        super().__init__()
+        _quack()  # fail at install, naming the package, not in the first traced forward
+
+    def relu2_mlp(self, x: Tensor, w_up: Tensor, w_down: Tensor, layer: int) -> Tensor:
+        return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous())
