@@ -34,9 +34,10 @@ T, R = 24, 12  # tokens per micro-batch, row width (not a power of two)
 VOCAB = 64
 
 
-def _store(kernel: bool, micro_steps: int, update: str = "lazy") -> NgramStore:
+def _store(kernel: bool, micro_steps: int, update: str = "lazy", weight_decay: float = 0.0) -> NgramStore:
     cfg = NgramConfig(dim=R, vocab_size=VOCAB, bigram_rows=61, trigram_rows=50, cache_rows=2 * T,
-                      bos_id=VOCAB - 1, update=update)  # N = 111 rows: not a multiple of 4
+                      bos_id=VOCAB - 1, update=update,
+                      weight_decay=weight_decay)  # N = 111 rows: not a multiple of 4
     store = NgramStore(NgramLookup(cfg), cycle=2, micro_steps=micro_steps)
     store.event_kernel = sparse_adam_rows if kernel else None
     return store
@@ -46,12 +47,14 @@ def test_runs_interpreted():
     assert interpreted()
 
 
-@pytest.mark.parametrize("micro_steps,update", [(1, "lazy"), (3, "lazy"), (1, "dense"), (3, "dense")])
-def test_event_kernel_equals_the_reference(micro_steps, update):
+@pytest.mark.parametrize("micro_steps,update,wd", [(1, "lazy", 0.0), (3, "lazy", 0.0), (1, "dense", 0.0),
+                                                   (3, "dense", 0.0), (1, "lazy", 0.5), (3, "dense", 0.5)])
+def test_event_kernel_equals_the_reference(micro_steps, update, wd):
     """Lazy: a row moves only in the events it was touched for; dense: a row touched earlier keeps
-    moving (its momentum); never-touched rows stay bit-equal in both."""
+    moving (its momentum); never-touched rows stay bit-equal in both (with the cautious weight
+    decay too: their update is 0, so the decay's mask is off)."""
     g = torch.Generator().manual_seed(micro_steps)
-    kernel, reference = _store(True, micro_steps, update), _store(False, micro_steps, update)
+    kernel, reference = (_store(k, micro_steps, update, wd) for k in (True, False))
     init = torch.randn(kernel.table.shape, generator=g)
     for s in (kernel, reference):
         s.table.copy_(init)

@@ -25,7 +25,7 @@ from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
 from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-NUM_CASES = 6  # tests in ngram_adam_cases.py (parametrizations included)
+NUM_CASES = 8  # tests in ngram_adam_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -52,3 +52,26 @@ def test_cpu_store_runs_the_reference_and_a_cpu_kernel_call_is_an_error():
     store.hold(torch.ones(16, 8), ids)
     store.update_event(0)
     assert store.table[ids].ne(0).all() and not store.touched.any()
+
+
+def test_cautious_weight_decay_of_the_reference():
+    """NgramConfig.weight_decay (the optimizer's Adam rule): at the first event the update of a
+    row is lr * sign(g) (bias-corrected Adam of one gradient), so a row whose value has the
+    update's sign shrinks by lr^2 * wd of itself on top of the update, one of the other sign
+    gets the update alone; with weight_decay 0 neither shrinks."""
+    lr, wd = 0.5, 0.4
+    results = {}
+    for decay in (0.0, wd):
+        store = NgramStore(NgramLookup(NgramConfig(dim=4, bigram_rows=16, trigram_rows=16,
+                                                   cache_rows=32, lr=lr, weight_decay=decay)),
+                           cycle=1, micro_steps=1)
+        store.table.fill_(2.0)
+        ids = store.lookup.row_ids(torch.arange(1, dtype=torch.int32))  # [2]: a bigram, a trigram row
+        grad = torch.tensor([[1.0] * 4, [-1.0] * 4])  # row 0 moves down (update +), row 1 up
+        store.hold(grad, ids)
+        store.update_event(0)
+        results[decay] = store.table[ids].clone()
+    plain, decayed = results[0.0], results[wd]
+    torch.testing.assert_close(plain, torch.tensor([[2.0 - lr] * 4, [2.0 + lr] * 4]))
+    torch.testing.assert_close(decayed[0], plain[0] - lr * lr * wd * 2.0)  # same sign: decays
+    torch.testing.assert_close(decayed[1], plain[1])  # update against the row: no decay

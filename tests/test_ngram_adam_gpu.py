@@ -31,8 +31,8 @@ from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 MICRO_STEPS, CYCLE, TOKENS = 8, 2, 49_152  # stage C on one GPU
 
 
-def _store(kernel: bool, update: str = "lazy") -> NgramStore:
-    lookup = NgramLookup(NgramConfig(update=update)).cuda()
+def _store(kernel: bool, update: str = "lazy", weight_decay: float = 0.0) -> NgramStore:
+    lookup = NgramLookup(NgramConfig(update=update, weight_decay=weight_decay)).cuda()
     store = NgramStore(lookup, cycle=CYCLE, micro_steps=MICRO_STEPS)
     assert store.event_kernel is not None  # a CUDA store gets the kernel
     if not kernel:
@@ -58,11 +58,12 @@ def _event_ms(store: NgramStore, step: int, lr_scale: float) -> float:
     return start.elapsed_time(end)
 
 
-@pytest.mark.parametrize("update", ["lazy", "dense"])
-def test_event_kernel_equals_the_reference_without_host_sync(update):
+@pytest.mark.parametrize("update,wd", [("lazy", 0.0), ("dense", 0.0), ("dense", 0.025)])
+def test_event_kernel_equals_the_reference_without_host_sync(update, wd):
     """Lazy: rows untouched in an event stay bit-equal; dense (NgramConfig.update): rows never
-    touched stay bit-equal, rows touched only in an earlier event move."""
-    kernel, reference = _store(True, update), _store(False, update)
+    touched stay bit-equal, rows touched only in an earlier event move; wd: HEAD's bigram decay
+    (NgramConfig.weight_decay)."""
+    kernel, reference = _store(True, update, wd), _store(False, update, wd)
     gen = torch.Generator(device="cuda").manual_seed(0)
     init = torch.randn(kernel.table.shape, generator=gen, device="cuda")
     for s in (kernel, reference):

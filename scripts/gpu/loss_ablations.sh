@@ -16,11 +16,13 @@
 #   init_seed1  --seed 1: another init (the noise of one curve)
 #   uniform_o   --set model.attn_out_init=uniform: attention output projections drawn like V (HEAD)
 #   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
+#   dense_wd    dense_ngram with --set model.ngram.weight_decay=0.025: HEAD's bigram Adam also
+#               decays (cautious, lr^2 x 0.005 x wd_mul 5)
 #   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
 #   attn_in7    --set model.attn_input_layer=7: layers 8-10 attend over norm(h_7) (HEAD)
 #   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
 #               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
-#   head_like   all five HEAD-like changes above at once
+#   head_like   all five HEAD-like changes above at once, the n-gram table's decay too
 #   mudd_gates  --set model.mudd.gates=true: per-token x0 / n-gram / skip gates, XSA on 1, 3, 4, 7,
 #               output gates on 3 and 10 (HEAD's MUDD gates)
 #   mudd_conn   --set model.mudd.connections=true: the last layer and the final norm read
@@ -47,16 +49,18 @@ variant_flags() {
     init_seed1) echo --seed 1 ;;
     uniform_o) echo --set model.attn_out_init=uniform ;;
     dense_ngram) echo --set model.ngram.update=dense ;;
+    dense_wd) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
     no_trigram) echo --set model.ngram.trigram=false ;;
     attn_in7) echo --set model.attn_input_layer=7 ;;
     backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
     head_like) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
-                    --set model.ngram.trigram=false --set model.attn_input_layer=7 \
-                    --set model.backout_layer=7 --set model.backout=-0.5 ;;
+                    --set model.ngram.weight_decay=0.025 --set model.ngram.trigram=false \
+                    --set model.attn_input_layer=7 --set model.backout_layer=7 --set model.backout=-0.5 ;;
     mudd_gates) echo --set model.mudd.gates=true ;;
     mudd_conn) echo --set model.mudd.connections=true ;;
     head_mudd) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
-                    --set model.ngram.trigram=false --set model.attn_input_layer=7 \
+                    --set model.ngram.weight_decay=0.025 --set model.ngram.trigram=false \
+                    --set model.attn_input_layer=7 \
                     --set model.mudd.gates=true --set model.mudd.connections=true ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;

@@ -13,7 +13,8 @@ event's increment, lr = NgramConfig.lr x the step's lr multiplier):
     g = acc[r]                             (sum of the held micro-steps' sink gradients)
     m[r] = beta1 m[r] + (1 - beta1) g      v[r] = beta2 v[r] + (1 - beta2) g^2
     step_size = lr sqrt(1 - beta2^t) / (1 - beta1^t)
-    table[r] -= m[r] / (sqrt(v[r]) + eps) * step_size     (eps before bias correction: SparseAdam)
+    u = m[r] / (sqrt(v[r]) + eps) * step_size            (eps before bias correction: SparseAdam)
+    table[r] -= u + (u * table[r] > 0) * eff_wd * table[r]   (cautious decay; eff_wd = lr^2 wd)
     acc[r] = 0, touched[r] = 0
 Rows with touched[r] == 0 keep their moments (lazy Adam: only rows in the gradient move). The
 kernel's masked loads and stores skip them, so an untouched row costs one 4-byte flag read.
@@ -53,7 +54,7 @@ ROWS_PER_PROGRAM = 4  # BR: rows of one program (a [BR, next_pow2(R)] tile)
 
 @triton.jit
 def _sparse_adam_rows(table_ptr, m_ptr, v_ptr, acc_ptr, touched_ptr, step_ptr, num_rows, row_width,
-                      lr, beta1, beta2, log2_beta1, log2_beta2, eps,
+                      lr, beta1, beta2, log2_beta1, log2_beta2, eps, eff_wd,
                       BR: tl.constexpr, BLOCK_R: tl.constexpr, DENSE: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BR + tl.arange(0, BR)  # [BR]
@@ -69,7 +70,8 @@ def _sparse_adam_rows(table_ptr, m_ptr, v_ptr, acc_ptr, touched_ptr, step_ptr, n
     m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * (1.0 - beta1)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + g * g * (1.0 - beta2)
     p = tl.load(table_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p - m / (tl.sqrt(v) + eps) * step_size
+    u = m / (tl.sqrt(v) + eps) * step_size
+    p = p - u - tl.where(u * p > 0, p * eff_wd, 0.0)
     tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
     tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(table_ptr + offs, p.to(table_ptr.dtype.element_ty), mask=mask)
@@ -108,15 +110,15 @@ def _check(table: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, acc: Tensor, touc
 
 def sparse_adam_rows(table: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, acc: Tensor,
                      touched: Tensor, step: Tensor, *, lr: float, beta1: float, beta2: float,
-                     eps: float, dense: bool = False) -> None:
+                     eps: float, eff_wd: float = 0.0, dense: bool = False) -> None:
     """In place: Adam (module docstring) on every row r of `table` [N, R] with touched[r] != 0
     (every row with dense=True), reading its gradient from acc [N, R] and the step count from
-    `step` (device, 0-d); acc and touched rows are zeroed. exp_avg, exp_avg_sq, acc: float32
-    [N, R]; table float32 or bf16."""
+    `step` (device, 0-d), with cautious decay eff_wd (lr^2 x weight decay; 0: none); acc and
+    touched rows are zeroed. exp_avg, exp_avg_sq, acc: float32 [N, R]; table float32 or bf16."""
     _check(table, exp_avg, exp_avg_sq, acc, touched, step)
     num_rows, width = table.shape
     grid = (triton.cdiv(num_rows, ROWS_PER_PROGRAM),)
     _sparse_adam_rows[grid](table, exp_avg, exp_avg_sq, acc, touched, step, num_rows, width,
                             float(lr), float(beta1), float(beta2), math.log2(beta1),
-                            math.log2(beta2), float(eps), BR=ROWS_PER_PROGRAM,
+                            math.log2(beta2), float(eps), float(eff_wd), BR=ROWS_PER_PROGRAM,
                             BLOCK_R=triton.next_power_of_2(width), DENSE=bool(dense), num_warps=8)

@@ -29,6 +29,11 @@ class NgramConfig:
     beta1: float = 0.75
     beta2: float = 0.95
     eps: float = 1e-10
+    # cautious weight decay of the update event's Adam: where the update and the row agree in
+    # sign, the row also shrinks by (lr x the step's lr multiplier)^2 x weight_decay (the
+    # optimizer's Adam rule, optim/anvil_math.adam_update_); 0: none (ours so far). HEAD's
+    # bigram_embed: 0.005 x wd_mul 5 = 0.025; a loss-parity ablation until measured
+    weight_decay: float = 0.0
     dtype: torch.dtype = torch.float32  # table, cache and sinks; Adam state is >= float32
     # the update event's Adam: "lazy" (only the rows touched since the last event move; ours) or
     # "dense" (every row, a zero gradient for the untouched: momentum keeps moving a row after
@@ -42,6 +47,8 @@ class NgramConfig:
         for name in ("bigram_rows", "trigram_rows"):
             if getattr(self, name) < 2:
                 raise ValueError(f"NgramConfig.{name}={getattr(self, name)} must be >= 2")
+        if self.weight_decay < 0:
+            raise ValueError(f"NgramConfig.weight_decay={self.weight_decay} must be >= 0")
         if self.update not in NGRAM_UPDATES:
             raise ValueError(f"NgramConfig.update={self.update!r}: one of {NGRAM_UPDATES}")
         if self.cache_rows < 2:

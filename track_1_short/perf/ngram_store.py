@@ -262,16 +262,20 @@ class NgramStore(nn.Module):
 
     def _adam_rows(self, local: Tensor, g: Tensor, lr_scale: float):
         """SparseAdam on slice rows `local` [U] with gradient g [U, R] (eps added to sqrt(v) before
-        bias correction, as torch.optim.SparseAdam). The reference of kernels/ngram_adam.py."""
+        bias correction, as torch.optim.SparseAdam), plus the cautious decay of
+        NgramConfig.weight_decay. The reference of kernels/ngram_adam.py."""
         cfg = self.cfg
         t = int(self.num_updates)
+        lr = cfg.lr * lr_scale
         m = self.exp_avg[local].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
         v = self.exp_avg_sq[local].mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
         self.exp_avg[local] = m
         self.exp_avg_sq[local] = v
-        step_size = cfg.lr * lr_scale * (1 - cfg.beta2 ** t) ** 0.5 / (1 - cfg.beta1 ** t)
+        step_size = lr * (1 - cfg.beta2 ** t) ** 0.5 / (1 - cfg.beta1 ** t)
         update = m / (v.sqrt() + cfg.eps) * step_size
-        self.table[local] = (self.table[local].to(update.dtype) - update).to(self.table.dtype)
+        p = self.table[local].to(update.dtype)
+        decay = torch.where(update * p > 0, p * (lr * lr * cfg.weight_decay), 0.0)
+        self.table[local] = (p - update - decay).to(self.table.dtype)
 
     def _event_reference(self, lr_scale: float):
         """The event by gathers and scatters (host syncs on the touched rows and the step count):
@@ -299,9 +303,10 @@ class NgramStore(nn.Module):
         self.num_updates += 1
         if self.world_size == 1 and self.event_kernel is not None:
             cfg = self.cfg
+            lr = cfg.lr * lr_scale
             self.event_kernel(self.table, self.exp_avg, self.exp_avg_sq, self.grad_acc, self.touched,
-                              self.num_updates, lr=cfg.lr * lr_scale, beta1=cfg.beta1,
-                              beta2=cfg.beta2, eps=cfg.eps, dense=cfg.update == "dense")
+                              self.num_updates, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
+                              eff_wd=lr * lr * cfg.weight_decay, dense=cfg.update == "dense")
         else:
             self._event_reference(lr_scale)
         self.pending = 0
