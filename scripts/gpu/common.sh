@@ -5,6 +5,11 @@
 set -u
 export TIKTOKEN_CACHE_DIR=$PWD/.carry/tiktoken PYTHONPATH=. PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/build/inductor_cache
+# flash-attn-4's CuTe DSL kernels and quack's GEMM autotuning, cached on disk beside inductor's
+# (build/ is git-ignored and kept by a warm machine between calls): only the fa4 backend and the
+# quack MLP read them
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$PWD/build/fa4_cache
+export QUACK_CACHE_DIR=$PWD/build/quack_cache QUACK_CACHE_AUTOTUNING=1
 # NVLink multicast stays off on this workplace's multi-GPU machines (see the device tool's KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 L=$OUT/logs

@@ -16,7 +16,8 @@ Math (the same as PlainMatmuls.relu2_mlp, the reference; x [T, D], w_up [F, D] o
 quack's ops are torch.library custom ops with fake implementations, so the autograd.Function
 below traces under torch.compile(fullgraph=True); they allocate their outputs with torch.empty
 (capture-safe) and autotune per shape at their first call, which the step graphs' warm
-iterations make before any capture.
+iterations make before any capture (QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR keep the
+choices on disk for the next run; scripts/gpu/common.sh sets both).
 
 `_quack()` is the one place the library is imported (flash-attn-4's dependency; on the H200 hosts
 scripts/gpu/fa4_wheels.sh carries both); the CPU tests replace it with torch stand-ins to check

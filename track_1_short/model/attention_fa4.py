@@ -14,7 +14,9 @@ The ops (`track_1_short::fa4_fwd`, `track_1_short::fa4_bwd`): the forward return
 the log-sum-exp [H, T] float32 that the backward needs; the backward returns dq, dk, dv. Both
 have fake implementations (shapes only), so inductor traces them without running the kernels;
 the kernels compile (CuTe DSL JIT, cached per shape and window by flash-attn-4) at their first
-real call, which the trainer's warmup makes before any capture.
+real call, which the trainer's warmup makes before any capture. Each (shape, window, direction)
+is its own compile; FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 and FLASH_ATTENTION_CUTE_DSL_CACHE_DIR
+keep them on disk for the next run (scripts/gpu/common.sh sets both).
 
 `_interface()` is the one place the library is imported; the CPU tests replace it with a torch
 stand-in to check the ops' plumbing (argument mapping, autograd, fullgraph compile). The kernels
