@@ -12,10 +12,11 @@ Math (the same as PlainMatmuls.relu2_mlp, the reference; x [T, D], w_up [F, D] o
     forward   pre = x @ w_up^T, post = relu(pre)^2  (one gemm_act, relu_sq epilogue: saves pre)
               y = post @ w_down                      (cuBLAS)
     backward  d_pre = (dy @ w_down^T) * 2 relu(pre), post again (one gemm_dact epilogue)
-              dw_down = (post^T @ dy)^T layout [F, D], dx = d_pre @ w_up, dw_up = d_pre^T @ x
-quack's ops are torch.library custom ops with fake implementations, so the autograd.Function
-below traces under torch.compile(fullgraph=True); they allocate their outputs with torch.empty
-(capture-safe) and autotune per shape at their first call, which the step graphs' warm
+              dw_down = post^T @ dy, dx = d_pre @ w_up, dw_up = d_pre^T @ x   (cuBLAS)
+Both quack calls sit inside our own torch custom ops (`track_1_short::relu2_up`,
+`track_1_short::relu2_down_dgrad`, fake-registered), so torch.compile(fullgraph=True) traces only
+the autograd.Function around them and never quack's Python; quack allocates with torch.empty
+(capture-safe) and autotunes per shape at its first call, which the step graphs' warm
 iterations make before any capture (QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR keep the
 choices on disk for the next run; scripts/gpu/common.sh sets both).
 
@@ -42,8 +43,8 @@ _lib = None  # quack.gemm_interface once imported (the CPU tests set a stand-in)
 
 
 def _quack():
-    """quack.gemm_interface, or ImportError naming the package. Imported once (at install, by
-    QuackRelu2Matmuls), so the traced forward only reads the module global."""
+    """quack.gemm_interface, or ImportError naming the package (imported once; QuackRelu2Matmuls
+    imports it at install, so a missing package fails there, naming it)."""
     global _lib
     if _lib is None:
         try:
@@ -68,19 +69,44 @@ def quack_unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
+@torch.library.custom_op("track_1_short::relu2_up", mutates_args=())
+def _relu2_up(x: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor]:
+    """pre = x @ w_up^T, post = relu(pre)^2: one gemm_act with the relu_sq epilogue."""
+    pre, post = _quack().gemm_act(x, w_up.t(), activation="relu_sq", store_preact=True)
+    return pre, post  # [T, F] each
+
+
+@_relu2_up.register_fake
+def _relu2_up_fake(x, w_up):
+    shape = (x.shape[0], w_up.shape[0])
+    return x.new_empty(shape), x.new_empty(shape)
+
+
+@torch.library.custom_op("track_1_short::relu2_down_dgrad", mutates_args=())
+def _relu2_down_dgrad(dy: Tensor, w_down: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
+    """d_pre = (dy @ w_down^T) * 2 relu(pre) and post again: one gemm_dact (relu_sq)."""
+    d_pre, post = _quack().gemm_dact(dy, w_down.t(), pre, activation="relu_sq")
+    return d_pre, post  # [T, F] each
+
+
+@_relu2_down_dgrad.register_fake
+def _relu2_down_dgrad_fake(dy, w_down, pre):
+    return torch.empty_like(pre), torch.empty_like(pre)
+
+
 class _Relu2Mlp(torch.autograd.Function):
+    """Autograd over the two ops (quack's Python stays inside them: dynamo traces only this)."""
+
     @staticmethod
     def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-        q = _quack()
-        pre, post = q.gemm_act(x, w_up.t(), activation="relu_sq", store_preact=True)  # [T, F] each
+        pre, post = _relu2_up(x, w_up)  # [T, F] each
         ctx.save_for_backward(x, w_up, w_down, pre)
         return post @ w_down  # [T, D]
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w_up, w_down, pre = ctx.saved_tensors
-        dy = dy.contiguous()
-        d_pre, post = _quack().gemm_dact(dy, w_down.t(), pre, activation="relu_sq")  # [T, F] each
+        d_pre, post = _relu2_down_dgrad(dy.contiguous(), w_down, pre)  # [T, F] each
         dx = d_pre @ w_up  # [T, D]
         dw_up = d_pre.t() @ x  # [F, D]
         dw_down = post.t() @ dy  # [F, D]
