@@ -16,14 +16,15 @@ import torch
 from micro import nano_config
 
 from track_1_short.model.gpt import GPT, GPTConfig, INITS, rms_norm
-from track_1_short.model.mudd import CONNECTION_IN, GateLayout, xsa
+from track_1_short.model.attention import document_ids
+from track_1_short.model.mudd import CONNECTION_IN, GateLayout, dc_correction, xsa
 from track_1_short.model.mudd_config import MuddConfig
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.train import train
 from tests.test_model import _batch, _fcfg, _model, _slots, _store
 from tests.test_train import _losses
 
-BOTH = dict(gates=True, connections=True)
+BOTH = dict(gates=True, connections=True, dc=True)
 
 
 def _mudd(**fields) -> MuddConfig:
@@ -49,21 +50,23 @@ def _same_weights(dst: GPT, src: GPT):
     _store(dst).table.copy_(_store(src).table)
 
 
-def test_layout_of_the_speedrun_model_is_heads_coefficients_minus_dc():
+def test_layout_of_the_speedrun_model_is_heads():
     """Speedrun layers: pre gate (layers 0-3) XSA 1, 3 (12) + output gate 3 (6) + x0/n-gram of
-    0-3 (8) = 26, HEAD's count; post gate XSA 4, 7 (12) + output gate 10 (6) + x0/n-gram of 4, 5,
-    7, 8, 9 (10: 6 has no attention, 10 is connected) + skip (1) = 29, HEAD's 41 less DC's 12."""
+    0-3 (8) = 26; post gate XSA 4, 7 (12) + output gate 10 (6) + x0/n-gram of 4, 5, 7, 8, 9 (10:
+    6 has no attention, 10 is connected) + skip (1) + DC's w1, w2 on 10 (12) = 41: HEAD's counts."""
     c = GPTConfig(mudd=MuddConfig(**BOTH))
     layout = GateLayout.build(c.mudd, c.num_layers, c.num_heads, c.attention_layers,
                               c.no_attention_layer, INITS)
-    assert [len(b) for b in layout.inits] == [26, 29]
+    assert [len(b) for b in layout.inits] == [26, 41]  # with DC's 2 x 6 head weights on layer 10
     # by layer: 0 x0/n-gram [0, 2); 1 XSA [2, 8), x0/n-gram; 2 x0/n-gram; 3 XSA [12, 18), gate [18, 24)
     assert layout.where[(3, "attn_gate")] == (0, 18, 6) and (10, "x0") not in layout.where
     assert layout.where[(1, "ngram")] == (0, 9, 1) and layout.inits[0][9] == 0.05
     block, start, _ = layout.where[(6, "skip")]
     assert block == 1 and layout.inits[1][start] == 0.5 and (6, "x0") not in layout.where
-    assert layout.inits[0][18:24] == (0.25,) * 6 and layout.inits[1][-6:] == (0.25,) * 6
-    without = GateLayout.build(MuddConfig(gates=True), c.num_layers, c.num_heads,
+    assert layout.inits[0][18:24] == (0.25,) * 6
+    block, start, width = layout.where[(10, "dc_w1")]
+    assert (block, width) == (1, 6) and layout.inits[1][start:start + 12] == (1.0,) * 6 + (0.0,) * 6
+    without = GateLayout.build(MuddConfig(gates=True), c.num_layers, c.num_heads,  # no DC, no connections
                                c.attention_layers, c.no_attention_layer, INITS)
     assert len(without.inits[1]) == 31 and (10, "x0") in without.where  # the gates serve layer 10
 
@@ -74,6 +77,8 @@ def test_layout_of_the_speedrun_model_is_heads_coefficients_minus_dc():
     (dict(gates=True, split_layer=6), "split_layer=6"),
     (dict(connections=True, source_layer=5), "source_layer=5"),
     (dict(hidden=0), "hidden=0"),
+    (dict(dc=True), "dc takes its head weights from the gates"),
+    (dict(gates=True, dc=True, dc_layers=(3,)), "dc_layers has \\[3\\]: DC needs an unpaired"),
 ])
 def test_config_names_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -91,7 +96,7 @@ def test_at_init_the_gated_model_is_the_scalar_one():
     weights otherwise); with HEAD's 0.25 it does not."""
     inputs, _, cu = _batch(128, 8, 3)
     base = _model()
-    gated = _model(mudd=_mudd(gates=True, attn_gate_init=1.0))
+    gated = _model(mudd=_mudd(gates=True, dc=True, attn_gate_init=1.0))  # DC's w2 starts at 0
     _same_weights(gated, base)
     assert not hasattr(gated, "x0_lambdas") and not hasattr(gated, "skip_gate")
     ref = _trunk(base, inputs, cu)
@@ -112,7 +117,7 @@ def test_at_init_the_connected_model_is_the_constant_backout():
     _same_weights(connected, base)
     ref = _trunk(base, inputs, cu)
     assert torch.allclose(_trunk(connected, inputs, cu), ref, atol=1e-5)
-    both = _model(mudd=_mudd(gates=True, connections=True, ve_gate_init=1.0, attn_gate_init=1.0))
+    both = _model(mudd=_mudd(**BOTH, ve_gate_init=1.0, attn_gate_init=1.0))
     _same_weights(both, base)
     assert torch.allclose(_trunk(both, inputs, cu), ref, atol=1e-5)
 
@@ -125,6 +130,35 @@ def test_xsa_removes_the_component_along_the_own_value():
     assert torch.equal(xsa(y, v, torch.zeros(5, 2)), y)
     half = xsa(y, v, torch.full((5, 2), math.atanh(0.5)))
     assert torch.allclose(half, 0.5 * (y + full), atol=1e-6)
+
+
+def _dc_dense(q, k, v, cu, w1, w2, scale, window):
+    """DC written out over [T, T]: the definition dc_correction blocks."""
+    t = q.shape[0]
+    doc = document_ids(cu, t)
+    rel = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+    allowed = (rel >= 0) & (rel < window) & (doc[:, None] == doc[None, :])
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)  # [H, T, T]
+    a = torch.einsum("hqk,qh->qk", p, w1)  # [T, T]
+    return torch.einsum("qk,khd->qhd", a, v) * w2[..., None]
+
+
+@pytest.mark.parametrize("lengths, window", [([200], 112), ([5, 130, 1, 64], 7), ([300, 100], 1)])
+def test_dc_blocked_equals_the_dense_definition(lengths, window):
+    """Queries of several blocks (T not a multiple of 128), documents shorter and longer than the
+    window, window 1 (each token its own value)."""
+    from tests.test_attention import _cu
+
+    t = sum(lengths)
+    g = torch.Generator().manual_seed(len(lengths))
+    q, k, v = (torch.randn(t, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    w1, w2 = (torch.randn(t, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = _cu(lengths, capacity=8)
+    got = dc_correction(q, k, v, cu, w1, w2, 0.3, window)
+    torch.testing.assert_close(got, _dc_dense(q, k, v, cu, w1, w2, 0.3, window))
+    if window == 1:  # p is 1 on the token itself: a(t, t) = sum of w1
+        torch.testing.assert_close(got, v * (w1.sum(-1, keepdim=True) * w2)[..., None])
 
 
 def _live(model: GPT, seed=1):
@@ -178,8 +212,8 @@ def _nano_mudd(shard_dir, runs_dir, run_id, **train_kw):
     """The nano trainer config (3 layers: 0 paired, 1 no attention, 2 long) with both parts on."""
     cfg = nano_config(shard_dir, runs_dir, run_id, **train_kw)
     cfg.model = dataclasses.replace(cfg.model, mudd=MuddConfig(
-        gates=True, connections=True, split_layer=1, xsa_layers=(2,), attn_gate_layers=(0, 2),
-        source_layer=1))
+        gates=True, connections=True, dc=True, split_layer=1, xsa_layers=(2,),
+        attn_gate_layers=(0, 2), source_layer=1, dc_layers=(2,), dc_window=16))
     return cfg
 
 

@@ -27,8 +27,10 @@
 #               output gates on 3 and 10 (HEAD's MUDD gates)
 #   mudd_conn   --set model.mudd.connections=true: the last layer and the final norm read
 #               per-token amounts of earlier residuals (HEAD's MUDD; the backout is learned)
-#   head_mudd   head_like with both MUDD parts instead of the constant backout: HEAD's model
-#               less DC
+#   mudd_dc     mudd_gates with --set model.mudd.dc=true: DC on layer 10 (HEAD's lightweight
+#               dynamically composable attention; in torch ops here)
+#   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
+#               HEAD's model
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
 # Estimated wall, one H200, cold: base ~200 s (compiles keys A and B and two validation windows),
 # every other variant ~80 s (the same graphs from the inductor cache: only values differ; adamw
@@ -58,10 +60,12 @@ variant_flags() {
                     --set model.attn_input_layer=7 --set model.backout_layer=7 --set model.backout=-0.5 ;;
     mudd_gates) echo --set model.mudd.gates=true ;;
     mudd_conn) echo --set model.mudd.connections=true ;;
+    mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
     head_mudd) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
                     --set model.ngram.weight_decay=0.025 --set model.ngram.trigram=false \
                     --set model.attn_input_layer=7 \
-                    --set model.mudd.gates=true --set model.mudd.connections=true ;;
+                    --set model.mudd.gates=true --set model.mudd.dc=true \
+                    --set model.mudd.connections=true ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
   esac

@@ -4,8 +4,8 @@ What it replaces: HEAD modded-nanogpt's `GPT` (train_gpt.py:1486-1693, a 208-lin
 hard-coded layer indices) with one config dataclass holding every layer index, and a forward split
 into embed / attention block / MLP block / loss.
 
-Architecture (modded-nanogpt record facts 1.2-1.6; MUDD gates, XSA and MUDD connections are
-optional (GPTConfig.mudd, model/mudd.py, off by default); DC is not implemented):
+Architecture (modded-nanogpt record facts 1.2-1.6; MUDD gates, XSA, DC and MUDD connections are
+optional (GPTConfig.mudd, model/mudd.py, off by default)):
 token embedding; hashed bigram + trigram rows (NgramLookup, gated per layer); smear
 x[t] += lambda * sigmoid(w . x[t][:12]) * x[t-1]; x0 = rms_norm(x); per layer: attention (QK-norm,
 half-truncated RoPE + YaRN, sliding-window causal attention over packed documents; short window
@@ -48,8 +48,9 @@ moves where ws_long changes) and model(...) -> after warmup reset_yarn() (+ ngra
 
 Deviations from HEAD: by default no MUDD gates, XSA or MUDD connections (GPTConfig.mudd turns
 them on: then the x0, n-gram and skip coefficients are per token, XSA and the attention output
-gates run, and the last layer and the final norm read the connections; without them the backout
-is a constant, GPTConfig.backout, off by default); no DC on the last layer; MUDD parameters stay
+gates run, DC adds to the last layer's output (MuddConfig.dc), and the last layer and the final
+norm read the connections; without them the backout is a constant, GPTConfig.backout, off by
+default); DC in torch ops (HEAD: a Triton kernel), its window 112; MUDD parameters stay
 float32 (HEAD: bf16); layers 8-10 read norm(x), not norm(output of layer 7), unless
 GPTConfig.attn_input_layer = 7; the QKV pre-multiplier sa_lambdas[:, 0] scales V only (Q and K
 are rms-normed right after, which removes the factor); trigram rows; full-softmax loss in torch ops.
@@ -70,7 +71,8 @@ from track_1_short.model.fp8 import PlainMatmuls
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.loss import per_token_ce, softcap, training_loss
 from track_1_short.model.mudd import (CONNECTION_IN, CONNECTION_OUT, CoefBlocks, GateLayout,
-                                      GateValues, ScalarInits, connection_inits, named, xsa)
+                                      GateValues, ScalarInits, connection_inits, dc_correction,
+                                      dc_weights, named, xsa)
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.model.value_embed import ValueEmbedPull
 from track_1_short.model.yarn import Yarn
@@ -110,6 +112,7 @@ class LayerMix:
     attn_gate: Tensor | None = None  # [T, H]
     v_extra: Tensor | None = None  # [T, D] added into V
     ve_gate: Tensor | None = None  # [T, H]: replaces the ve_gate_bank gate
+    dc: tuple[Tensor, Tensor] | None = None  # DC's head weights (w1, w2) [T, H] each
 
 
 EVAL_MATMULS = PlainMatmuls()  # eval never runs fp8 (nor advances its delayed scales)
@@ -331,6 +334,9 @@ class GPT(nn.Module):
         else:
             mix.x0, mix.ngram, mix.skip = (gates.get(i, r) for r in ("x0", "ngram", "skip"))
             mix.xsa, mix.attn_gate = gates.get(i, "xsa"), gates.get(i, "attn_gate")
+            w1 = gates.get(i, "dc_w1")
+            if w1 is not None:
+                mix.dc = dc_weights(w1, gates.get(i, "dc_w2"))
         return mix
 
     def _connect_in(self, x: Tensor, saved: dict, mix: LayerMix):
@@ -369,7 +375,7 @@ class GPT(nn.Module):
         if mix.v_extra is not None:
             v = v + mix.v_extra.view(t, h, dh)
         q, k = rms_norm(q), rms_norm(k)
-        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend)  # [T, H, Dh]
+        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend, mix.dc)  # [T, H, Dh]
         if mix.xsa is not None:
             y = xsa(y, v, mix.xsa)
         if mix.attn_gate is not None:
@@ -381,8 +387,9 @@ class GPT(nn.Module):
         return x
 
     def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
-                max_seq_len: int, backend: str) -> Tensor:
-        """Rotary + attention for layer i: paired heads, long (wide + key offset) or short."""
+                max_seq_len: int, backend: str, dc: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """Rotary + attention for layer i: paired heads, long (wide + key offset) or short; with
+        `dc` (unpaired layers), DC's addition over the rotated q, k (mudd.dc_correction)."""
         c = self.config
         t, h, dh = q.shape
         if i in c.paired_head_layers:
@@ -397,7 +404,10 @@ class GPT(nn.Module):
             # partial key offset (facts 1.2): the stationary half of k_t is k_{t-1}'s (not doc-masked)
             half = dh // 2
             k = torch.cat([k[:, :, :half], torch.cat([k[:1, :, half:], k[:-1, :, half:]])], dim=-1)
-        return attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
+        out = attention(q, k, v, cum_seqlens, max_seq_len, window, y.attn_scale, backend)
+        if dc is not None:
+            out = out + dc_correction(q, k, v, cum_seqlens, *dc, y.attn_scale, c.mudd.dc_window)
+        return out
 
     def _mlp_block(self, i: int, x: Tensor, matmuls: PlainMatmuls, mix: LayerMix) -> Tensor:
         w = self.mlp_bank[i].to(x.dtype)  # [2, F, D]: c_fc (out x in), c_proj (in x out)

@@ -106,7 +106,8 @@ class GPTConfig:
             skip_from_layer=2, value_embed_layers=(1, 3, 5), max_position=4096,
             ngram=NgramConfig(vocab_size=vocab, dim=128, bigram_rows=4096, trigram_rows=4096,
                               cache_rows=2 * 4096),
-            mudd=MuddConfig(split_layer=3, xsa_layers=(1, 2), attn_gate_layers=(2, 5), source_layer=3),
+            mudd=MuddConfig(split_layer=3, xsa_layers=(1, 2), attn_gate_layers=(2, 5), source_layer=3,
+                            dc_layers=(5,), dc_window=16),
         )
         fields.update(overrides)
         return cls(**fields)

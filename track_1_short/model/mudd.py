@@ -15,7 +15,8 @@ MuddConfig.split_layer, block 1 reads the residual entering split_layer and serv
 layer, in this order: XSA strength [H] (xsa_layers, init 0: off), attention output gate [H]
 (attn_gate_layers, init attn_gate_init), x0 coefficient [1] and n-gram coefficient [1] (every
 attention layer but a connected last layer; the scalars' inits), the skip gate [1] (the
-no-attention layer; the scalar's init).
+no-attention layer; the scalar's init), DC's head weights w1 [H] (init 1) and w2 [H] (init 0)
+(MuddConfig.dc_layers, with MuddConfig.dc).
 
 Connections (`mudd_connections`, 2 blocks of fixed roles, CONNECTION_IN / CONNECTION_OUT): block 0
 reads the residual entering the last layer, block 1 the residual after it. Sources: `embed` the
@@ -36,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from track_1_short.model.attention import document_ids
 from track_1_short.model.mudd_config import MuddConfig
 
-GATE_ROLES = ("xsa", "attn_gate", "x0", "ngram", "skip")
+GATE_ROLES = ("xsa", "attn_gate", "x0", "ngram", "skip", "dc_w1", "dc_w2")
+DC_BLOCK = 128  # DC's query block: the keys of a block are the window before it and the block
 # block 0 of the connections, at the start of the last layer: V term (3), residual
 # recombination (3), value-embedding gate lanes (2, each over half of the heads), the layer's
 # attention lambdas, x0 / n-gram coefficients and MLP lambdas (6)
@@ -118,6 +121,9 @@ class GateLayout:
                 add(b, i, "ngram", [inits.ngram])
             if i == no_attention_layer:
                 add(b, i, "skip", [inits.skip])
+            if mudd.dc and i in mudd.dc_layers:
+                add(b, i, "dc_w1", [1.0] * num_heads)
+                add(b, i, "dc_w2", [0.0] * num_heads)
         return cls(inits=tuple(tuple(v) for v in blocks), where=where)
 
 
@@ -160,3 +166,41 @@ def xsa(y: Tensor, v: Tensor, alpha: Tensor) -> Tensor:
     along the token's own value vector. y, v [T, H, Dh], alpha [T, H] -> [T, H, Dh]."""
     along = (y * v).sum(-1, keepdim=True) / v.square().sum(-1, keepdim=True).clamp_min(XSA_EPS)
     return y - torch.tanh(alpha)[..., None] * along * v
+
+
+def dc_weights(w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """DC's per-token head weights from the gate coefficients [T, H]: w1 RMS-normed over heads
+    (float32, eps 1e-6), w2 as is."""
+    return F.rms_norm(w1.float(), (w1.shape[-1],), eps=1e-6).to(w1.dtype), w2
+
+
+def dc_correction(q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, w1: Tensor, w2: Tensor,
+                  scale: float, window: int) -> Tensor:
+    """DC's addition to a layer's attention output (dynamically composable attention, one
+    composition over the heads): extra_h(t) = w2_h(t) sum_j a(t, j) v_h(j) with
+    a(t, j) = sum_h' w1_h'(t) p_h'(t, j), p_h the softmax of scale q_h(t) . k_h(j) over the keys
+    j with 0 <= t - j < window in t's document. q, k, v [T, H, D] (q, k as the attention used
+    them), w1, w2 [T, H] -> [T, H, D] in v's dtype.
+
+    Blocked: queries in blocks of DC_BLOCK, each against the window - 1 keys before it and its
+    own (zero rows pad the front and the end), so memory is O(T (DC_BLOCK + window)) per head."""
+    t, h, d = q.shape
+    nb = -(-t // DC_BLOCK)
+    pad, span = nb * DC_BLOCK - t, DC_BLOCK + window - 1
+    front = window - 1
+    qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(nb, DC_BLOCK, h, d)  # [NB, B, H, D]
+    kp, vp = (F.pad(x, (0, 0, 0, 0, front, pad)) for x in (k, v))  # [front + NB*B, H, D]
+    qpos = torch.arange(nb * DC_BLOCK, device=q.device).view(nb, DC_BLOCK)  # [NB, B]
+    idx = qpos[:, :1] + torch.arange(span, device=q.device)  # [NB, L] rows of kp
+    kpos = idx - front  # [NB, L] key positions (< 0: front padding)
+    doc = document_ids(cum_seqlens, nb * DC_BLOCK)  # [NB*B]; positions >= T share the last id
+    key_doc = torch.where(kpos >= 0, doc[kpos.clamp(min=0)], -1)  # [NB, L]
+    rel = qpos[:, :, None] - kpos[:, None, :]  # [NB, B, L]
+    valid = (rel >= 0) & (rel < window) & (doc[qpos][:, :, None] == key_doc[:, None, :])
+    wide = torch.promote_types(q.dtype, torch.float32)  # the softmax at >= float32
+    s = torch.einsum("nqhd,nkhd->nhqk", qb, kp[idx]).to(wide) * scale  # [NB, H, B, L]
+    p = s.masked_fill(~valid[:, None], float("-inf")).softmax(-1)
+    w1b = F.pad(w1, (0, 0, 0, pad)).view(nb, DC_BLOCK, h).to(wide)  # [NB, B, H]
+    a = torch.einsum("nhqk,nqh->nqk", p, w1b).to(v.dtype)  # [NB, B, L]
+    mixed = torch.einsum("nqk,nkhd->nqhd", a, vp[idx])  # [NB, B, H, D]
+    return (mixed.reshape(nb * DC_BLOCK, h, d)[:t] * w2[..., None]).to(v.dtype)

@@ -32,6 +32,14 @@ class MuddConfig:
     source_layer: int = 7  # the connections' middle source (HEAD: cache[7])
     backout_init: float = -0.5  # the post-loop block's source_layer coefficient at init
     ve_gate_init: float = 2.0  # the last layer's value-embedding gate at init (HEAD: 2*sigmoid's bound)
+    # DC (HEAD: lightweight dynamically composable attention on layer 10; needs the gates, whose
+    # block gives its per-token head weights): the layer's output gains w2_h(t) sum_j a(t, j)
+    # v_h(j), a(t, j) = sum_h' w1_h'(t) p_h'(t, j), p the softmax of the layer's own scores over
+    # the last `dc_window` keys of the token's document (w1 RMS-normed over heads, init 1; w2
+    # init 0: no change at init)
+    dc: bool = False
+    dc_layers: tuple[int, ...] = (10,)
+    dc_window: int = 112
     gate_scale: float = 0.1  # the gates' output scale at init (a learned scalar)
     connection_scale: float = 0.1  # the connections' output scale (a constant)
 
@@ -40,6 +48,10 @@ class MuddConfig:
         """Raise ValueError naming the field when the layer indices do not fit the model."""
         if self.hidden < 1:
             raise ValueError(f"MuddConfig.hidden={self.hidden} must be >= 1")
+        if self.dc_window < 1:
+            raise ValueError(f"MuddConfig.dc_window={self.dc_window} must be >= 1")
+        if self.dc and not self.gates:
+            raise ValueError("MuddConfig.dc takes its head weights from the gates: set gates=true too")
         if not (self.gates or self.connections):
             return
         if not 0 < self.split_layer < num_layers:
@@ -48,6 +60,9 @@ class MuddConfig:
         if self.gates and bad:
             raise ValueError(f"MuddConfig.xsa_layers has {bad}: XSA needs an unpaired attention layer "
                              f"(attention layers {attention_layers}, paired {list(paired_layers)})")
+        bad = [i for i in self.dc_layers if i not in attention_layers or i in paired_layers]
+        if self.dc and bad:
+            raise ValueError(f"MuddConfig.dc_layers has {bad}: DC needs an unpaired attention layer")
         bad = [i for i in self.attn_gate_layers if i not in attention_layers]
         if self.gates and bad:
             raise ValueError(f"MuddConfig.attn_gate_layers has {bad}: not attention layers "
