@@ -277,3 +277,23 @@ def test_compiles_fullgraph_and_equals_eager():
     assert torch.allclose(loss, eager_loss, atol=1e-5)
     for name, g in eager_grads.items():
         assert torch.allclose(compiled_grads[name], g, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.slow  # ~1 min on 2 cores (two aot_eager compiles); `./test.sh -m slow`
+def test_graph_path_with_mudd_equals_eager(shard_dir, tmp_path):
+    """--graphs on with every MUDD part (the CPU stand-in graph backend, aot_eager compile):
+    warmup captures and self-checks every key with the MUDD parameters in the census, and the
+    losses equal the eager run's."""
+    import torch._dynamo
+
+    from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
+
+    torch._dynamo.reset()
+    assert train(_nano_mudd(shard_dir, tmp_path, "eager")) == 0
+    cfg = _nano_mudd(shard_dir, tmp_path, "graphs", compile=True, compile_backend="aot_eager")
+    cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
+    assert train(cfg, graph_backend=RecordingGraphBackend()) == 0
+    report = json.loads((tmp_path / "graphs" / "summary.json").read_text())["capture_report"]
+    assert len(report) == 2 and all(row["self_checks"] >= 1 for row in report)
+    assert _losses(tmp_path / "graphs") == pytest.approx(_losses(tmp_path / "eager"), rel=1e-4)
+    torch._dynamo.reset()
