@@ -22,6 +22,10 @@
 #   quack_mlp --set train.mlp_kernel=quack: the MLP's GEMMs from quack-kernels with ReLU^2 and its
 #            derivative in their epilogues (kernels/relu2_mlp.py; the same package carry as fa4)
 #   fa4_quack both
+#   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
+#            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
+#   dense_ngram --set model.ngram.update=dense --set model.ngram.weight_decay=0.025: the n-gram
+#            event over every row (HEAD's bigram Adam), for the same reason
 # Estimated wall, one H200, cold: ~180 s per variant at C (each compiles its own graphs, ~120 s,
 # then capture, self-check and 22 steps of ~0.72 s), so three variants need ~540 s; each gets what
 # is left of the call's deadline (DEADLINE_S, 585 s) and a cut one still leaves its JSON so far.
@@ -36,6 +40,8 @@ variant_flags() {
     fa4) echo --set model.attention_backend=fa4 ;;
     quack_mlp) echo --set train.mlp_kernel=quack ;;
     fa4_quack) echo --set model.attention_backend=fa4 --set train.mlp_kernel=quack ;;
+    mudd) echo --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true ;;
+    dense_ngram) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
     *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }
