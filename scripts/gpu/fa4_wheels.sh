@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, on the CPU machine with PyPI: FlashAttention 4 (the "fa4" attention backend,
 # model/attention_fa4.py) and its dependencies installed for the H200 hosts (Python 3.12, x86_64,
-# CUDA 13) into a site folder, packed as one xz tarball (~81 MiB; the wheels are ~109 MiB) and cut
+# CUDA 13) into a site folder, packed as one xz tarball (~79 MiB; the wheels are ~109 MiB) and cut
 # into two git-ignored carry folders, each small enough for one device call beside the tracked
 # files and a small data carry (the device tool moves 64 MiB per call):
 #   .carry/fa4a  the tarball's first 40 MiB and SHA256SUMS
