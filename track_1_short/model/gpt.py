@@ -286,40 +286,32 @@ class GPT(nn.Module):
         x = x0 + mix.ngram * ngram
         ves = {layer: self.value_embeds.lookup(k, inputs, value_embed_grad).to(x.dtype)
                for layer, k in self.ve_slot.items()}  # each [T, D]
-        # residuals kept for later layers: the skip, the later attention input, the backout and
-        # the connections' sources (embed: the first residual; source; previous: the last layer's input)
-        saved = {"embed": x}
-        skip, attn_in, backout = x, None, None
+        first = x  # the residual entering layer 0 (the connections' "embed" source)
+        after = {}  # layer -> the residual after it: the skip, attention-input, backout and source
         for i in range(c.num_layers):
             if gates is not None and i == m.split_layer:
                 gates.compute(1, x)
             if i > 0:
                 mix = self._mix(i, x0, gates)
             if i == c.no_attention_layer:
+                skip = after[c.skip_from_layer]
                 x = x + (torch.sigmoid(self.skip_lambda).to(x.dtype) * mix.skip) * skip
             else:
                 window = ws_long if i in c.long_window_layers else ws_short
-                source = x if attn_in is None else attn_in
+                source = after.get(c.attn_input_layer, x)  # set only for the layers after it
                 if m.connections and i == last:
-                    saved["previous"] = x
-                    x, mix = self._connect_in(x, saved, mix)
+                    x, mix = self._connect_in(x, first, after[m.source_layer], mix)
                 x = self._attention_block(i, x, ngram, ves.get(i), cum_seqlens, window, max_seq_len,
                                           backend, source, mix)
             x = self._mlp_block(i, x, matmuls, mix)
-            if i == c.skip_from_layer:
-                skip = x
-            if i == c.attn_input_layer:
-                attn_in = x
-            if i == c.backout_layer:
-                backout = x
-            if m.connections and i == m.source_layer:
-                saved["source"] = x
-        if backout is not None and c.backout:
-            x = x + c.backout * backout
+            after[i] = x
+        if c.backout_layer is not None and c.backout:
+            x = x + c.backout * after[c.backout_layer]
         if m.connections:
-            saved.update(skip=skip, value_embed=ves[c.value_embed_layers[0]])
+            sources = {"embed": first, "source": after[m.source_layer], "previous": after[last - 1],
+                       "value_embed": ves[c.value_embed_layers[0]], "skip": after[c.skip_from_layer]}
             mu = named(self.mudd_connections(x, 1), CONNECTION_OUT)  # each [T, 1]
-            x = x + sum(mu[name] * saved[name] for name in CONNECTION_OUT)
+            x = x + sum(mu[name] * sources[name] for name in CONNECTION_OUT)
         return rms_norm(x)
 
     def _mix(self, i: int, x0: Tensor, gates: GateValues | None) -> LayerMix:
@@ -339,18 +331,19 @@ class GPT(nn.Module):
                 mix.dc = dc_weights(w1, gates.get(i, "dc_w2"))
         return mix
 
-    def _connect_in(self, x: Tensor, saved: dict, mix: LayerMix):
-        """The connections' first block, at the start of the last layer: a V term from the saved
-        residuals, x recombined from them, and the layer's per-token lambdas and VE gate."""
+    def _connect_in(self, x: Tensor, first: Tensor, source: Tensor, mix: LayerMix):
+        """The connections' first block, at the start of the last layer (x its input): a V term
+        from the first residual, the source layer's and x, x recombined from them, and the
+        layer's per-token lambdas and VE gate."""
         h = self.config.num_heads
         mu = named(self.mudd_connections(x, 0), CONNECTION_IN)  # each [T, 1]
-        mix.v_extra = mu["v_embed"] * saved["embed"] + mu["v_source"] * saved["source"] + mu["v_self"] * x
+        mix.v_extra = mu["v_embed"] * first + mu["v_source"] * source + mu["v_self"] * x
         mix.ve_gate = torch.cat([mu["ve_gate_a"].expand(-1, h // 2),
                                  mu["ve_gate_b"].expand(-1, h - h // 2)], dim=-1)  # [T, H]
         for name in ("resid_attn", "post_attn", "x0", "ngram", "resid_mlp", "post_mlp"):
             setattr(mix, name, mu[name])
-        mix.x0_src = saved["embed"]
-        x = (1 + mu["r_self"]) * x + mu["r_embed"] * saved["embed"] + mu["r_source"] * saved["source"]
+        mix.x0_src = first
+        x = (1 + mu["r_self"]) * x + mu["r_embed"] * first + mu["r_source"] * source
         return x, mix
 
     def _attention_block(self, i: int, x: Tensor, ngram: Tensor, ve: Tensor | None,
