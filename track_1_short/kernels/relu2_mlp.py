@@ -32,6 +32,7 @@ import importlib
 import torch
 from torch import Tensor
 
+from track_1_short.model.attention_fa4 import cute_dsl_unavailable_reason
 from track_1_short.model.fp8 import PlainMatmuls
 
 QUACK_HINT = ("pip install quack-kernels (with nvidia-cutlass-dsl-libs-cu13 for CUDA 13); on a host "
@@ -57,16 +58,7 @@ def _quack():
 
 def quack_unavailable_reason(device: torch.device) -> str | None:
     """None when the quack MLP can run on `device`, else why not."""
-    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return "needs CUDA"
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in (9, 10):
-        return f"needs compute capability 9.x or 10.x, this GPU has {major}.x"
-    try:
-        _quack()
-    except ImportError as e:
-        return str(e)
-    return None
+    return cute_dsl_unavailable_reason(device, _quack)
 
 
 @torch.library.custom_op("track_1_short::relu2_up", mutates_args=())

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from track_1_short.model.attention_fa4 import fa4_attention, fa4_available
+from track_1_short.model.attention_fa4 import fa4_attention, fa4_unavailable_reason
 from track_1_short.model.tokens import BLOCK_TOKENS
 from track_1_short.model.gpt_config import BACKENDS
 
@@ -70,10 +70,9 @@ def resolve_backend(name: str, device: torch.device) -> str:
         raise ValueError(f"attention backend {name!r} needs CUDA; use 'reference' on {device}")
     if name == "fa3" and not _fa3_available():
         raise ValueError("attention backend 'fa3': FA3 is not importable here; use 'flex'")
-    if name == "fa4":
-        usable, why = fa4_available(device)
-        if not usable:
-            raise ValueError(f"attention backend 'fa4' cannot run on {device}: {why}; use 'flex'")
+    why = fa4_unavailable_reason(device) if name == "fa4" else None
+    if why is not None:
+        raise ValueError(f"attention backend 'fa4' cannot run on {device}: {why}; use 'flex'")
     return name
 
 

@@ -43,18 +43,25 @@ def _interface():
         raise ImportError(f"attention backend 'fa4' needs flash-attn-4 ({e}); {PACKAGE_HINT}") from e
 
 
-def fa4_available(device: torch.device) -> tuple[bool, str]:
-    """(usable, why not): CUDA, compute capability 9.x or 10.x, the package importable."""
+def cute_dsl_unavailable_reason(device: torch.device, load) -> str | None:
+    """Why a CuTe DSL kernel library (flash-attn-4, quack-kernels: SM90 / SM100 kernels) cannot
+    run on `device`, None when it can; `load()` imports the library (an ImportError naming the
+    package becomes the reason)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
-        return False, "needs CUDA"
+        return "needs CUDA"
     major = torch.cuda.get_device_capability(device)[0]
     if major not in (9, 10):
-        return False, f"needs compute capability 9.x or 10.x, this GPU has {major}.x"
+        return f"needs compute capability 9.x or 10.x, this GPU has {major}.x"
     try:
-        _interface()
+        load()
     except ImportError as e:
-        return False, str(e)
-    return True, ""
+        return str(e)
+    return None
+
+
+def fa4_unavailable_reason(device: torch.device) -> str | None:
+    """Why the fa4 backend cannot run on `device` (None: it can)."""
+    return cute_dsl_unavailable_reason(device, _interface)
 
 
 @torch.library.custom_op("track_1_short::fa4_fwd", mutates_args=())
