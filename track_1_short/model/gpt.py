@@ -175,8 +175,8 @@ class GPT(nn.Module):
             self.ve_gate_bank = nn.Parameter(torch.zeros(len(gated), h, 2 * VE_GATE_DIMS))
         if m.gates:  # per-token x0, n-gram and skip coefficients replace the scalars
             self.gate_layout = GateLayout.build(m, nl, h, c.attention_layers, c.no_attention_layer, INITS)
-            self.mudd_gates = CoefBlocks(d, m.hidden, [list(b) for b in self.gate_layout.inits],
-                                         m.gate_scale, learn_scale=True)
+            self.mudd_gates = CoefBlocks(d, m.hidden, self.gate_layout.inits, m.gate_scale,
+                                         learn_scale=True)
         else:
             self.x0_lambdas = nn.Parameter(torch.full((nl,), INITS.x0))  # [L]
             self.ngram_lambdas = nn.Parameter(torch.full((nl,), INITS.ngram))  # [L]

@@ -31,6 +31,7 @@ Legend: T tokens, D model dim, H heads, NB blocks, NC coefficients of the widest
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,6 @@ from torch import Tensor, nn
 from track_1_short.model.attention import document_ids
 from track_1_short.model.mudd_config import MuddConfig
 
-GATE_ROLES = ("xsa", "attn_gate", "x0", "ngram", "skip", "dc_w1", "dc_w2")
 DC_BLOCK = 128  # DC's query block: the keys of a block are the window before it and the block
 # block 0 of the connections, at the start of the last layer: V term (3), residual
 # recombination (3), value-embedding gate lanes (2, each over half of the heads), the layer's
@@ -66,7 +66,8 @@ class ScalarInits:
 class CoefBlocks(nn.Module):
     """Concern: NB coefficient MLPs sharing one parameter set (w1, w2, b2[, scale])."""
 
-    def __init__(self, dim: int, hidden: int, inits: list[list[float]], scale: float, learn_scale: bool):
+    def __init__(self, dim: int, hidden: int, inits: Sequence[Sequence[float]], scale: float,
+                 learn_scale: bool):
         super().__init__()
         nb, nc = len(inits), max(1, max(len(b) for b in inits))
         self.num_coefs = [len(b) for b in inits]
