@@ -266,7 +266,7 @@ class NgramStore(nn.Module):
         NgramConfig.weight_decay. The reference of kernels/ngram_adam.py."""
         cfg = self.cfg
         t = int(self.num_updates)
-        lr = cfg.lr * lr_scale
+        lr, eff_wd = self._lr_and_decay(lr_scale)
         m = self.exp_avg[local].mul_(cfg.beta1).add_(g, alpha=1 - cfg.beta1)
         v = self.exp_avg_sq[local].mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
         self.exp_avg[local] = m
@@ -274,8 +274,14 @@ class NgramStore(nn.Module):
         step_size = lr * (1 - cfg.beta2 ** t) ** 0.5 / (1 - cfg.beta1 ** t)
         update = m / (v.sqrt() + cfg.eps) * step_size
         p = self.table[local].to(update.dtype)
-        decay = torch.where(update * p > 0, p * (lr * lr * cfg.weight_decay), 0.0)
+        decay = torch.where(update * p > 0, p * eff_wd, 0.0)
         self.table[local] = (p - update - decay).to(self.table.dtype)
+
+    def _lr_and_decay(self, lr_scale: float) -> tuple[float, float]:
+        """This event's lr and cautious decay factor (lr^2 x NgramConfig.weight_decay, as the
+        optimizer's Adam rule), for the kernel and the reference alike."""
+        lr = self.cfg.lr * lr_scale
+        return lr, lr * lr * self.cfg.weight_decay
 
     def _event_reference(self, lr_scale: float):
         """The event by gathers and scatters (host syncs on the touched rows and the step count):
@@ -303,10 +309,10 @@ class NgramStore(nn.Module):
         self.num_updates += 1
         if self.world_size == 1 and self.event_kernel is not None:
             cfg = self.cfg
-            lr = cfg.lr * lr_scale
+            lr, eff_wd = self._lr_and_decay(lr_scale)
             self.event_kernel(self.table, self.exp_avg, self.exp_avg_sq, self.grad_acc, self.touched,
                               self.num_updates, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                              eff_wd=lr * lr * cfg.weight_decay, dense=cfg.update == "dense")
+                              eff_wd=eff_wd, dense=cfg.update == "dense")
         else:
             self._event_reference(lr_scale)
         self.pending = 0
