@@ -60,6 +60,14 @@ run_anchor() {
   echo "exit $? after $(elapsed) s" >> "$log"
 }
 
+# `use_fa4_packages`: flash-attn-4 and quack-kernels from the two-call carry of
+# scripts/gpu/fa4_wheels.sh (fa4_install.sh, log in $L), then on PYTHONPATH (.fa4_site/ENV);
+# a failed install prints its log, packs the outputs and exits 2.
+use_fa4_packages() {
+  bash scripts/gpu/fa4_install.sh > "$L/fa4_install.log" 2>&1 || { cat "$L/fa4_install.log"; pack_outputs; exit 2; }
+  source .fa4_site/ENV
+}
+
 # Seconds left before DEADLINE_S (default 585: the device tool's 600 s call limit, less packing).
 left() { echo $(( ${DEADLINE_S:-585} - $(elapsed) )); }
 

@@ -52,8 +52,7 @@ step_variant() {  # NAME LIMIT_S FLAGS...
       --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
 }
 if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack)\  ]]; then  # the package, then its kernels' GPU tests
-  bash scripts/gpu/fa4_install.sh > "$L/fa4_install.log" 2>&1 || { cat "$L/fa4_install.log"; pack_outputs; exit 2; }
-  source .fa4_site/ENV
+  use_fa4_packages
   timeout -k 10 240 python3 -m pytest -m gpu -v -p no:cacheprovider -rA tests/test_relu2_mlp_gpu.py \
       tests/test_attention_gpu.py -k "fa4 or quack" > "$L/fa4_quack_gpu_tests.log" 2>&1
   echo "exit $? after $(elapsed) s" >> "$L/fa4_quack_gpu_tests.log"

@@ -31,8 +31,7 @@ record_data=()
 ours_set=()
 for item in ${OURS_SET:-}; do ours_set+=(--set "$item"); done
 if [[ "${OURS_SET:-}" =~ (fa4|quack) ]]; then
-  bash scripts/gpu/fa4_install.sh > "$L/fa4_install.log" 2>&1 || { cat "$L/fa4_install.log"; pack_outputs; exit 2; }
-  source .fa4_site/ENV
+  use_fa4_packages
 fi
 
 run_anchor timing 320 TIMING_STAGES=0,2 "${record_data[@]}"
