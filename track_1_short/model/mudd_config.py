@@ -1,5 +1,5 @@
-"""MuddConfig: the per-token coefficient MLPs of model/mudd.py (HEAD's MUDD gates and MUDD
-connections), nested into GPTConfig.mudd. Both parts are off by default: each is a loss-parity
+"""MuddConfig: the per-token coefficient MLPs of model/mudd.py (HEAD's MUDD gates, DC and MUDD
+connections), nested into GPTConfig.mudd. Every part is off by default: each is a loss-parity
 ablation until measured (docs/LOG.md).
 
 What must stay stable: nothing here holds tensors. Validated when built, against the GPTConfig it
