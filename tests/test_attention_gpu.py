@@ -138,9 +138,13 @@ def test_fa4_matches_cpu_reference_forward_and_backward(lengths, window):
     ref = reference_attention(*leaves64, cu, window, SCALE)
     ref_grads = torch.autograd.grad(ref, leaves64, probe.double())
     torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=ATOL, rtol=RTOL)
+    # each gradient's tolerance scales with its size; at window 0 (self only) the q and k
+    # gradients are exactly 0 and the kernel's are rounding residues of dP - D (~1e-6 on the
+    # H200, 2026-12-01): the floor is a thousandth of the largest gradient (dv ~ |probe|)
+    floor = 1e-3 * max(r.abs().max().item() for r in ref_grads)
     for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g.cpu().double(), r, atol=ATOL * r.abs().max().item(), rtol=RTOL,
-                                   msg=lambda m: f"grad {name}: {m}")
+        torch.testing.assert_close(g.cpu().double(), r, atol=ATOL * max(r.abs().max().item(), floor),
+                                   rtol=RTOL, msg=lambda m: f"grad {name}: {m}")
 
 
 def test_fa4_compiled_and_captured_replays_equal_eager():

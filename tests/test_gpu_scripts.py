@@ -9,6 +9,7 @@ Hardware: CPU only, a few seconds. Run: `.venv/bin/python -m pytest tests/test_g
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,76 @@ def test_an_unknown_variant_is_refused():
         ["bash", "-c", f"eval \"$(sed -n '/^variant_flags() {{/,/^}}/p' {GPU / 'loss_ablations.sh'})\"; "
          "variant_flags no_such_variant"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown variant 'no_such_variant'" in result.stderr
+
+
+def _fake_fa4_carry(repo: Path, *, corrupt: bool = False) -> None:
+    """The two carry halves as scripts/gpu/fa4_wheels.sh writes them, around a tarball of
+    stand-in packages: `cutlass` (through nvidia_cutlass_dsl/dsl_packages, as the real wheel
+    lays it out), `flash_attn.cute.interface`, `quack.epilogue.library` (it records whether its
+    file lies under a site-packages folder, the test quack's function fingerprint makes), and the
+    four fallbacks."""
+    import hashlib
+    import io
+    import tarfile
+
+    files = {
+        "fa4/site/nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py": "",
+        "fa4/site/flash_attn/__init__.py": "",
+        "fa4/site/flash_attn/cute/__init__.py": "",
+        "fa4/site/flash_attn/cute/interface.py": "",
+        "fa4/site/quack/__init__.py": "",
+        "fa4/site/quack/epilogue/__init__.py": "",
+        "fa4/site/quack/epilogue/library.py": (
+            "import os\n"
+            "def f():\n    pass\n"
+            "assert f'{os.sep}site-packages{os.sep}' in f.__code__.co_filename, f.__code__.co_filename\n"),
+    }
+    for path, dist in (("einops", "einops-0.8.2"), ("cuda/bindings", "cuda_bindings-13.0.3"),
+                       ("cuda/pathfinder", "cuda_pathfinder-1.9.1"), ("google/protobuf", "protobuf-6.33.6")):
+        files[f"fa4/fallback/{path}/__init__.py"] = ""
+        files[f"fa4/fallback/{dist}.dist-info/METADATA"] = ""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob = buf.getvalue()
+    a, b = repo / ".carry" / "fa4a", repo / ".carry" / "fa4b"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    digest = hashlib.sha256(blob if not corrupt else blob + b"x").hexdigest()
+    (a / "SHA256SUMS").write_text(f"{digest}  fa4.tar.xz\n")
+    (a / "PINS").write_text("flash-attn-4==stand-in\n")
+    (a / "fa4.tar.xz.part0").write_bytes(blob[: len(blob) // 2])
+    (b / "fa4.tar.xz.part1").write_bytes(blob[len(blob) // 2:])
+
+
+def _fa4_install(repo: Path) -> subprocess.CompletedProcess:
+    # python3 is this interpreter (the device hosts' has tarfile's extraction filters too)
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    return subprocess.run(["bash", str(GPU / "fa4_install.sh")], cwd=repo, capture_output=True,
+                          text=True, env={"PATH": path, "HOME": str(repo)})
+
+
+def test_fa4_install_puts_the_packages_under_a_site_packages_folder(tmp_path):
+    """quack keys an epilogue's installed-library callees by name only where their files lie
+    under site-packages; elsewhere its fingerprint fails on cutlass internals (the H200 run of
+    2026-12-01). The stand-in quack asserts that at import, as the real one fails there."""
+    _fake_fa4_carry(tmp_path)
+    result = _fa4_install(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "quack epilogues from" in result.stdout and "do not import" not in result.stderr
+    env = (tmp_path / ".fa4_site" / "ENV").read_text()
+    paths = env.split("PYTHONPATH=", 1)[1].split(":")[:2]
+    assert all("/.fa4_site/site-packages" in p for p in paths), env
+    assert (tmp_path / ".fa4_site" / "site-packages" / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass").is_dir()
+
+
+def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):
+    result = _fa4_install(tmp_path)
+    assert result.returncode == 2 and ".carry/fa4a missing" in result.stderr
+    _fake_fa4_carry(tmp_path, corrupt=True)
+    result = _fa4_install(tmp_path)
+    assert result.returncode == 2 and "does not match .carry/fa4a/SHA256SUMS" in result.stderr
