@@ -170,7 +170,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     result = build(args.record, args.ours, args.stages, args.graphs, args.machine, args.script)
-    write_result(args.out_dir, f"vs_record_{args.machine}_{args.date or today()}.json", result)
+    # one stage per device call (a cold record compiles each stage for minutes): its name says so
+    part = "" if sorted(args.stages) == sorted(RECORD_STAGE) else "_" + "".join(args.stages)
+    write_result(args.out_dir, f"vs_record_{args.machine}_{args.date or today()}{part}.json", result)
     for stage, s in result["stages"].items():
         print(f"stage {stage}: ours / record step {s['ratio']['step_ms_median']}, "
               f"kernel {s['ratio']['kernel_ms_per_step']}")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import host_bound, loss_parity, vs_record
+from bench import host_bound, loss_parity, step_variants, vs_record
 from track_1_short.data import BOS_ID, write_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,11 +114,61 @@ def test_vs_record_writes_null_where_our_side_has_no_such_field(tmp_path):
     """Graphs off: no replay (no fwd+bwd time, extras or fwd+bwd MFU); no profile: no kernel time."""
     ours = _ours_vs_record(tmp_path, graphs="off", replay=None, kernel=None)
     assert _vs_record(tmp_path, RECORD_TIMING, ours, "--graphs", "off", "--stages", "A") == 0
-    a = json.loads((tmp_path / "out" / "vs_record_h200_2026-12-01.json").read_text())["stages"]["A"]
+    # one stage: its name says which (a device call holds one stage of both trainers)
+    assert [p.name for p in (tmp_path / "out").glob("vs_record_*.json")] == ["vs_record_h200_2026-12-01_A.json"]
+    out = json.loads((tmp_path / "out" / "vs_record_h200_2026-12-01_A.json").read_text())
+    assert set(out["stages"]) == {"A"}
+    a = out["stages"]["A"]
     assert a["ours"]["phases_ms"]["fwd_bwd_per_micro_step"] is None
     assert a["ours"]["phases_ms"]["extras"] is None and a["ours"]["mfu_fwd_bwd"] is None
     assert a["ours"]["kernel_ms_per_step"] is None and a["ratio"]["kernel_ms_per_step"] is None
     assert a["ratio"]["step_ms_median"] is not None
+
+
+# ---------------------------------------------------------------- step_variants
+
+def _step_variants(tmp_path: Path, *paths: Path, extra: tuple[str, ...] = ()) -> int:
+    argv = [*map(str, paths), "--date", "2026-12-01", "--out-dir", str(tmp_path / "out"), *extra]
+    return step_variants.run_main("step_variants", step_variants.main, argv)
+
+
+def test_step_variants_divides_each_variant_by_the_baseline_and_keeps_failures(tmp_path):
+    bf16 = _step_json(tmp_path / "step_C_bf16.json", "C", {"on": _row("on", "C", 49152, 8, step=(720.0, 715.0, 730.0), kernel=716.0)})
+    fa4 = _step_json(tmp_path / "step_C_fa4.json", "C", {"on": _row("on", "C", 49152, 8, step=(680.0, 675.0, 685.0), kernel=674.0)})
+    quack = _step_json(tmp_path / "step_C_quack_mlp.json", "C", {},
+                       errors={"on": {"error": "TypeError: epilogue fn depends on <ContextVar>"}})
+    assert _step_variants(tmp_path, bf16, fa4, quack, extra=("--script", "bash fp8_step.sh")) == 0
+    out = json.loads((tmp_path / "out" / "step_variants_h200_2026-12-01_C.json").read_text())
+    assert out["stage"] == "C" and out["baseline"] == "bf16"
+    assert out["command"]["script"] == "bash fp8_step.sh"
+    assert set(out["command"]["variants"]) == {"bf16", "fa4", "quack_mlp"}
+    v = out["variants"]
+    assert v["fa4"]["ratio_to_baseline"] == {"step_ms_median": pytest.approx(680.0 / 720.0),
+                                             "kernel_ms_per_step": pytest.approx(674.0 / 716.0)}
+    assert v["bf16"]["ratio_to_baseline"]["step_ms_median"] == 1.0
+    assert v["fa4"]["step_ms"] == {"median": 680.0, "p10": 675.0, "p90": 685.0}
+    assert "it failed: TypeError: epilogue fn depends on <ContextVar>" in v["quack_mlp"]["error"]
+    assert "ratio_to_baseline" not in v["quack_mlp"]
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("bad name", "name it step_<STAGE>_<VARIANT>.json"),
+    ("no baseline", "--baseline bf16: no step_*_bf16.json"),
+    ("two stages", "the files hold stages ['A', 'C']"),
+    ("baseline failed", "--baseline bf16: "),
+])
+def test_step_variants_refuses_bad_inputs(tmp_path, capsys, case, expected):
+    ok = {"on": _row("on", "C", 49152, 8)}
+    files = {
+        "bad name": [_step_json(tmp_path / "fa4.json", "C", ok)],
+        "no baseline": [_step_json(tmp_path / "step_C_fa4.json", "C", ok)],
+        "two stages": [_step_json(tmp_path / "step_C_bf16.json", "C", ok),
+                       _step_json(tmp_path / "step_A_fa4.json", "A", {"on": _row("on", "A", 16384, 8)})],
+        "baseline failed": [_step_json(tmp_path / "step_C_bf16.json", "C", {}, errors={"on": {"error": "cut"}})],
+    }[case]
+    assert _step_variants(tmp_path, *files) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 def _write_text(path: Path, text: str) -> Path:

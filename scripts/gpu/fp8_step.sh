@@ -59,15 +59,8 @@ if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack)\  ]]; then  # the package, th
   tail -n 12 "$L/fa4_quack_gpu_tests.log"
 fi
 run_variants fp8_step 15 90 step_variant || exit 2
-python3 - "$OUT" "$STAGE" <<'EOF' 2>&1 | tee -a "$L/fp8_step.log"
-import json, pathlib, sys
-out, stage = pathlib.Path(sys.argv[1]), sys.argv[2]
-for p in sorted(out.glob(f"step_{stage}_*.json")):
-    row = (json.loads(p.read_text()).get("variants") or {}).get("on")
-    if row:
-        micro = row["phases_ms"].get("micro_phases_ms") or {}
-        print(f"{p.stem}: step {row['step_ms']['median_ms']:.1f} ms, kernel "
-              f"{row.get('kernel_ms_per_step') or float('nan'):.1f} ms, forward+backward per micro-step "
-              f"{micro.get('forward', 0) + micro.get('backward', 0):.2f} ms")
-EOF
+# one JSON of every variant against BASELINE (default bf16, when it ran in this call)
+BASELINE=${BASELINE:-bf16}
+python3 bench/step_variants.py "$OUT"/step_"${STAGE}"_*.json --baseline "$BASELINE" --out-dir "$OUT" \
+    --script "STAGE=$STAGE VARIANTS='$VARIANTS' DATA=$DATA bash scripts/gpu/fp8_step.sh" 2>&1 | tee -a "$L/fp8_step.log"
 pack_outputs

@@ -32,16 +32,21 @@
 #   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
 #               HEAD's model
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
-# Estimated wall, one H200, cold: base ~200 s (compiles keys A and B and two validation windows),
-# every other variant ~80 s (the same graphs from the inductor cache: only values differ; adamw
-# compiles its optimizer; no_trigram, attn_in7, backout7, head_like and the mudd ones their
-# forward) -> ~520 s
-# for the default five; the others in a second call, e.g.
-# VARIANTS="attn_in7 backout7 head_like init_seed1". Each variant gets what is left of the call's
-# deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
+# Wall, one H200, cold (measured 2026-12-01): base 334 s (keys A and B and their two validation
+# windows compile for ~260 s, then 110 steps and 12 validations); head_mudd was cut at 206 s
+# after its warmup's first step took 142 s and its A validation windows 185 s (~390 s in all). A
+# variant that only changes values (data_seed1, init_seed1, uniform_o) reuses base's graphs from
+# the inductor cache (~80 s after base in the same call); one that changes the forward (no_trigram,
+# attn_in7, backout7, head_like, the mudd ones) or the optimizer (adamw) compiles its own (~330-400
+# s): one per call, e.g. VARIANTS=head_mudd, then VARIANTS="head_like data_seed1". A call without
+# a base run compares with BASE_JSON (default: the base curve committed from the call of
+# 2026-12-01; the same configuration repeated in another session moved by <= 0.013 before step
+# 110, docs/results/loss_ablations_embedded-large_2026-12-01/README.md). Each variant gets what
+# is left of the call's deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
 RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
+BASE_JSON=${BASE_JSON:-docs/results/loss_ablations_embedded-large_2026-12-01/loss_parity_embedded-large_base_2026-12-01.json}
 VARIANTS=${VARIANTS:-base uniform_o dense_ngram no_trigram data_seed1}
 VAL_SEQ=32768 VAL_TOKENS=196608  # the record run's VAL_SEQ / VAL_TOKENS (its settings.log)
 variant_flags() {
@@ -84,15 +89,20 @@ train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with th
   return $rc
 }
 run_variants ablations 25 60 train_variant || exit 2
-python3 - "$OUT" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
+python3 - "$OUT" "$BASE_JSON" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
 import json, pathlib, sys
 runs = {d.get("variant", p.stem): d for p in sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
         for d in [json.loads(p.read_text())]}
-base = {v["step"]: v["ours"] for v in runs.get("base", {}).get("val", [])}
+where = "this call"
+if "base" not in runs and pathlib.Path(sys.argv[2]).is_file():
+    runs_base, where = json.loads(pathlib.Path(sys.argv[2]).read_text()), sys.argv[2]
+else:
+    runs_base = runs.get("base", {})
+base = {v["step"]: v["ours"] for v in runs_base.get("val", [])}
 for name, d in runs.items():
     vs_base = " ".join(f"{v['step']}:{v['ours'] - base[v['step']]:+.3f}" for v in d["val"] if v["step"] in base)
     vs_record = " ".join(f"{v['step']}:{v['ours'] - v['record']:+.3f}" for v in d["val"])
-    print(f"{name:>12}  - base (this call)  {vs_base or 'no base run'}")
+    print(f"{name:>12}  - base ({where})  {vs_base or 'no base run'}")
     print(f"{'':>12}  - record (earlier call, indicative)  {vs_record}")
 EOF
 pack_outputs
