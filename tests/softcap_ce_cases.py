@@ -195,3 +195,80 @@ def test_compiled_fullgraph_equals_eager():
     # new weight values reach the compiled kernel (device tensors, not baked constants)
     doubled = compiled(x, w, mtp * 2, pw * 2)
     torch.testing.assert_close(doubled, 2 * grads[0][0], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------ fp8 lm head (kernels/softcap_ce_fp8.py)
+
+def _fp8_case(seed: int, t: int = 48, v: int = 400):
+    """bf16 inputs at multiples of 16 (torch._scaled_mm), current-amax dequantisation scales for x
+    and w, and a gradient scale from the reference logit gradient's amax."""
+    from track_1_short.model.fp8 import E4M3, amax_scale
+
+    x, w, targets, mtp, pw, prefix, upstream = _inputs(seed=seed, t=t, d=32, v=v, n=2, dtype=torch.bfloat16)
+    return (x, w, targets, mtp, pw, prefix, upstream, amax_scale(x, E4M3), amax_scale(w, E4M3))
+
+
+def _fp8_reference(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s):
+    """(loss [T], dx [T, D], dw [D, V]) from model/fp8.py's slow references around model/loss.py:
+    logits of the fake-quantised operands rounded to bf16 (the GEMM's output dtype), the float64
+    logit gradient for the upstream gradient, then the fp8 backward reference on it."""
+    from track_1_short.model.fp8 import fp8_matmul_backward_reference, fp8_matmul_reference
+
+    z = fp8_matmul_reference(x, w, x_s, w_s).to(torch.bfloat16).double().requires_grad_()  # [T, V]
+    capped = SOFTCAP_SCALE * torch.sigmoid((z + SOFTCAP_SHIFT) / SOFTCAP_DIV)
+    loss = training_loss(capped, targets, mtp.double(), pw.double(), prefix)
+    (dz,) = torch.autograd.grad(loss, z, upstream.double())
+    dx, dw = fp8_matmul_backward_reference(dz.float(), x, w, x_s, w_s, grad_s)
+    return loss.detach(), dx, dw
+
+
+def _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=None):
+    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
+
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    run = fn or (lambda x, w: linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, x_s=x_s, w_s=w_s,
+                                                     grad_s=grad_s, launch=LARGE))
+    loss = run(xl, wl)
+    loss.backward(upstream)
+    return loss.detach(), xl.grad, wl.grad
+
+
+def test_fp8_head_matches_the_fp8_reference():
+    """The fp8 fused head against model/fp8.py's references around the torch loss: the loss equals
+    it up to float32 rounding (the same fp8 operands); the gradients differ only where the bf16
+    rounding of dz moves an element across an e5m2 rounding boundary (2 mantissa bits: a flip is
+    a 2^-3 relative change of that element), measured here at ~1e-3 relative overall."""
+    from track_1_short.model.fp8 import E5M2, amax_scale
+
+    x, w, targets, mtp, pw, prefix, upstream, x_s, w_s = _fp8_case(seed=11)
+    _, dz64, dx64, _ = _reference_float64(x, w, targets, mtp, pw, prefix, upstream)  # bf16 GEMMs
+    grad_s = amax_scale(dz64.float(), E5M2)  # the logit gradient over the e5m2 range
+    loss_ref, dx_ref, dw_ref = _fp8_reference(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
+    loss, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
+    assert loss.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
+    errs = {"loss_max": max_err(loss, loss_ref.double()), "dx_rel": rel_err(dx, dx_ref.double()),
+            "dw_rel": rel_err(dw, dw_ref.double()), "dx_rel_vs_bf16": rel_err(dx, dx64)}
+    print("\nfp8 head vs fp8 reference: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()))
+    assert errs["loss_max"] < 1e-5 and max(errs["dx_rel"], errs["dw_rel"]) < 2e-2
+    # and the op does run in fp8: against the bf16 GEMMs' gradient it is several times coarser
+    assert errs["dx_rel_vs_bf16"] > 2 * errs["dx_rel"]
+
+
+def test_fp8_head_traces_as_one_graph():
+    """dynamo + AOTAutograd (fullgraph, aot_eager: the graph the inductor path starts from) take
+    the autograd.Function with its custom op and equal eager."""
+    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
+    from track_1_short.model.fp8 import LM_HEAD_GRAD_SCALE
+
+    x, w, targets, mtp, pw, prefix, upstream, x_s, w_s = _fp8_case(seed=12, t=32, v=160)
+    grad_s = torch.tensor(LM_HEAD_GRAD_SCALE)
+
+    def head(x, w):
+        return linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, x_s=x_s, w_s=w_s, grad_s=grad_s,
+                                     launch=LARGE)
+
+    eager = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=head)
+    compiled = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s,
+                          fn=torch.compile(head, fullgraph=True, dynamic=False, backend="aot_eager"))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

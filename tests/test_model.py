@@ -322,8 +322,8 @@ def test_compile_inductor_one_key():
 
 def test_strategies_are_installed_from_outside():
     """trainer/build.py installs the training forward's strategies: fp8 matmuls only where
-    --fp8 can run (on CPU it warns and keeps plain matmuls), the fused loss only on CUDA with a
-    bf16 head (not with fp8, not when disabled); the log line says which."""
+    --fp8 can run (on CPU it warns and keeps plain matmuls), the fused loss only on CUDA (not when
+    disabled), between fp8 GEMMs when the lm head is an active fp8 site; the log line says which."""
     from track_1_short.model.fp8 import Fp8Matmuls, PlainMatmuls
     from track_1_short.model.fp8_config import Fp8Config
     from track_1_short.trainer import build
@@ -343,9 +343,15 @@ def test_strategies_are_installed_from_outside():
     model.head_loss = None
     model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
     build._install_fused_loss(model, torch.device("cuda"), enabled=True)
-    assert model.head_loss is None, "an fp8 lm head keeps the torch loss over its fp8 logits"
-    assert build.describe_strategies(model).startswith(
-        "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls")
+    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
+    head = model.head_loss  # an fp8 lm head: the same kernel between fp8 GEMMs, its static scales
+    assert head.func is linear_softcap_ce_fp8
+    assert head.keywords["x_s"] is model.matmuls.lm_head_x_scale
+    assert head.keywords["w_s"] is model.matmuls.lm_head_w_scale
+    assert head.keywords["grad_s"] is model.matmuls.lm_head_grad_scale
+    assert build.describe_strategies(model) == (
+        "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls, fused "
+        "Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py) loss")
     mlp_only = _model(fp8=Fp8Config(enabled=True, sites=("mlp_up", "mlp_down")))
     mlp_only.matmuls = Fp8Matmuls(mlp_only.config.fp8, num_layers=mlp_only.config.num_layers)
     build._install_fused_loss(mlp_only, torch.device("cuda"), enabled=True)

@@ -9,8 +9,10 @@
 #   bf16     the default (bf16 GEMMs, the fused lm-head + softcapped CE kernel)
 #   fp8_mlp  --set model.fp8.enabled=true --set model.fp8.sites=mlp_up,mlp_down: fp8 MLP, the
 #            bf16 lm head keeps the fused loss
-#   fp8_all  --set model.fp8.enabled=true: fp8 lm head and MLP (the lm head then runs the torch
-#            loss over fp8 logits)
+#   fp8_all  --set model.fp8.enabled=true: fp8 lm head and MLP (the lm head's GEMMs in fp8 around
+#            the fused loss kernel, kernels/softcap_ce_fp8.py)
+#   fp8_head --set model.fp8.enabled=true --set model.fp8.sites=lm_head: the fp8 lm head alone
+#   fa4_fp8_head  fa4 with the fp8 lm head
 #   autotune --set train.max_autotune=true: bf16, inductor's max_autotune (Triton GEMM templates
 #            with ReLU^2 and its derivative fused as epilogues where they win; compiles take
 #            several times longer: run it alone, VARIANTS=autotune)
@@ -26,9 +28,12 @@
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
 #   dense_ngram --set model.ngram.update=dense --set model.ngram.weight_decay=0.025: the n-gram
 #            event over every row (HEAD's bigram Adam), for the same reason
-# Estimated wall, one H200, cold: ~180 s per variant at C (each compiles its own graphs, ~120 s,
-# then capture, self-check and 22 steps of ~0.72 s), so three variants need ~540 s; each gets what
-# is left of the call's deadline (DEADLINE_S, 585 s) and a cut one still leaves its JSON so far.
+# Wall, one H200 (measured 2026-12-01, docs/results/step_variants_h200_2026-12-01/fp8_step.log):
+# bf16 at C ~125 s cold, ~85 s with warm caches (compile, capture, self-check, 22 steps of 0.72 s),
+# fa4 ~100 s after its package install and GPU tests (~70 s); a variant that compiles new graphs ~150-180 s
+# cold, so three need ~500 s; each gets what is left of the call's deadline (DEADLINE_S, 585 s)
+# and a cut one still leaves its JSON so far. The summary: bench/step_variants.py ->
+# $OUT/step_variants_h200_<date>_<STAGE>.json (every variant against BASELINE, default bf16).
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} STAGE=${STAGE:-C} VARIANTS=${VARIANTS:-bf16 fp8_mlp fp8_all}
 variant_flags() {
@@ -36,6 +41,8 @@ variant_flags() {
     bf16) ;;
     fp8_mlp) echo --set model.fp8.enabled=true --set model.fp8.sites=mlp_up,mlp_down ;;
     fp8_all) echo --set model.fp8.enabled=true ;;
+    fp8_head) echo --set model.fp8.enabled=true --set model.fp8.sites=lm_head ;;
+    fa4_fp8_head) echo --set model.attention_backend=fa4 --set model.fp8.enabled=true --set model.fp8.sites=lm_head ;;
     autotune) echo --set train.max_autotune=true ;;
     fa4) echo --set model.attention_backend=fa4 ;;
     quack_mlp) echo --set train.mlp_kernel=quack ;;
@@ -51,12 +58,18 @@ step_variant() {  # NAME LIMIT_S FLAGS...
   timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
       --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
 }
-if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack)\  ]]; then  # the package, then its kernels' GPU tests
+if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack|fa4_fp8_head)\  ]]; then  # the package, then its kernels' GPU tests
   use_fa4_packages
   timeout -k 10 240 python3 -m pytest -m gpu -v -p no:cacheprovider -rA tests/test_relu2_mlp_gpu.py \
       tests/test_attention_gpu.py -k "fa4 or quack" > "$L/fa4_quack_gpu_tests.log" 2>&1
   echo "exit $? after $(elapsed) s" >> "$L/fa4_quack_gpu_tests.log"
   tail -n 12 "$L/fa4_quack_gpu_tests.log"
+fi
+if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head)\  ]]; then  # the fp8 head loss's GPU tests first
+  timeout -k 10 150 python3 -m pytest -m gpu -v -s -p no:cacheprovider -rA tests/test_softcap_ce_fp8_gpu.py \
+      > "$L/softcap_ce_fp8_gpu_tests.log" 2>&1
+  echo "exit $? after $(elapsed) s" >> "$L/softcap_ce_fp8_gpu_tests.log"
+  tail -n 8 "$L/softcap_ce_fp8_gpu_tests.log"
 fi
 run_variants fp8_step 15 90 step_variant || exit 2
 # one JSON of every variant against BASELINE (default bf16, when it ran in this call)

@@ -72,7 +72,8 @@ an autograd formula, so torch.compile(fullgraph=True) keeps it as one opaque ext
 AOTAutograd traces the backward's GEMMs. Output dz of the raw op is not differentiable.
 
 Plugging in (the lead installs it from outside the model, as a loss strategy): in GPT.forward's
-full-softmax training branch (bf16 head, fp8 off for the lm head),
+full-softmax training branch (bf16 head; an fp8 lm head takes kernels/softcap_ce_fp8.py, the same
+kernel between fp8 GEMMs),
     loss = linear_softcap_ce(x, self.lm_head, targets, cfg.mtp_weights, cfg.prefix_weight,
                              self.prefix_table[targets])           # [T] float32
 replaces `training_loss(softcap(x @ lm_head), ...)`; the trainer's loss.sum().backward() is

@@ -10,8 +10,9 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   2. attention backend: a per-device choice the compiled forward specializes on;
   3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
      need the device, add scale buffers the graphs bake), or the fused ReLU^2 MLP (--mlp-kernel
-     quack, kernels/relu2_mlp.py), and the fused lm-head loss kernel (CUDA, bf16 head;
-     --no-fused-loss keeps the torch loss): all change what compile traces;
+     quack, kernels/relu2_mlp.py), and the fused lm-head loss kernel (CUDA; between fp8 GEMMs
+     when the lm head is an fp8 site; --no-fused-loss keeps the torch loss): all change what
+     compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
@@ -26,6 +27,8 @@ Call order: lifecycle.py: make_spec -> build_model -> prepare_model -> build_run
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -129,10 +132,18 @@ def _fp8_sites(model: GPT) -> tuple[str, ...]:
 
 
 def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None:
-    """The fused lm-head + softcapped CE kernel as the training forward's head loss: on CUDA with
-    a bf16 lm head (an fp8 lm head keeps the torch loss over its fp8 logits; fp8 on the MLP
-    only, Fp8Config.sites, keeps the fused loss)."""
-    if enabled and device.type == "cuda" and "lm_head" not in _fp8_sites(model):
+    """The fused lm-head + softcapped CE kernel as the training forward's head loss, on CUDA: with
+    bf16 GEMMs (kernels/softcap_ce.py), or with `lm_head` among the active fp8 sites its fp8
+    GEMMs around the same kernel (kernels/softcap_ce_fp8.py, the lm head's static scale buffers
+    of GPT.matmuls)."""
+    if not (enabled and device.type == "cuda"):
+        return
+    if "lm_head" in _fp8_sites(model):
+        from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8  # Triton: CUDA hosts only
+        model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=model.matmuls.lm_head_x_scale,
+                                            w_s=model.matmuls.lm_head_w_scale,
+                                            grad_s=model.matmuls.lm_head_grad_scale)
+    else:
         from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
         model.head_loss = linear_softcap_ce
 
@@ -157,8 +168,12 @@ def describe_strategies(model: GPT) -> str:
     matmuls = f"fp8 ({', '.join(sites)}), otherwise bf16/fp32" if sites else "bf16/fp32"
     if model.matmuls.mlp_label:
         matmuls += f" (the MLP: {model.matmuls.mlp_label})"
-    loss = ("fused Triton kernel (kernels/softcap_ce.py)" if model.head_loss is not None
-            else "torch (model/loss.py)")
+    if model.head_loss is None:
+        loss = "torch (model/loss.py)"
+    elif "lm_head" in sites:
+        loss = "fused Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py)"
+    else:
+        loss = "fused Triton kernel (kernels/softcap_ce.py)"
     return f"training forward: {matmuls} matmuls, {loss} loss"
 
 

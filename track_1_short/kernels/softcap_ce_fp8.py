@@ -1,0 +1,113 @@
+"""The fused lm-head + softcapped cross-entropy with an fp8 lm head: the GEMMs of
+kernels/softcap_ce.py in fp8 (model/fp8.py's quantisation, layouts and t1s::scaled_mm), the same
+Triton kernel between them.
+
+What it replaces: with `lm_head` among Fp8Config.sites the training forward ran
+`training_loss(softcap(fp8_matmul(x, lm_head)))`, the torch loss over fp8 logits (the fused
+kernel took bf16 GEMMs only), so an fp8 lm head gave up the fused loss (~13 ms per stage-C
+micro-step beyond the GEMMs, kernels/softcap_ce.py "Speed") to halve the GEMMs' time. Here it
+keeps both, as the public record does (FusedSoftcappedCrossEntropy, facts 1.6-1.7).
+
+How it works (one definition for eager, torch.compile and CUDA-graph capture; shapes below):
+    forward   x8 = q4(x / x_s) [T, D], w8 = q4(w / w_s) [D, V]      (e4m3; graph code, fused)
+              t1s::softcap_ce_fp8_fwd: z = _scaled_mm(x8, w8) * x_s * w_s -> bf16 [T, V]
+                (fast accumulation), then kernels/softcap_ce.py's kernel: loss [T] and dz
+                (dloss/dz for a unit upstream gradient) written over z
+    backward  upstream g [T]: gz = g[:, None] * dz, g8 = q5(gz / grad_s)      (e5m2; graph code)
+              dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
+              dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
+The backward is model/fp8.py's _Fp8Matmul backward applied to gz (the same quantisation, the same
+layouts: g8 in both, x8 column-major, w8 row-major; exact accumulation), so an fp8 lm head trains
+on the same gradient as the torch loss would give it, up to the bf16 rounding of dz (as in the
+bf16 fused op). Unlike the record's backward, which ignores grad_output, g is applied exactly;
+scaling the rows before quantising keeps one g8 for both GEMMs.
+
+Scales: the lm head's static ones (Fp8Matmuls.lm_head_{x,w,grad}_scale, facts 1.7: 100/448,
+1.6/448, 0.75/448), passed as their buffers (nothing writes them during a step).
+
+Slow reference: model/fp8.py's fp8_matmul_reference / fp8_matmul_backward_reference around
+model/loss.py's training_loss (tests/softcap_ce_cases.py checks the op against it on the CPU in
+the Triton interpreter; tests/test_softcap_ce_gpu.py on the H200).
+
+Registration: t1s::softcap_ce_fp8_fwd is a custom op with a fake kernel and
+torch.Tag.needs_exact_strides (x8 row-major, w8 column-major: model/fp8.py's layout rules), no
+autograd of its own; `_Fp8SoftcapCE` is an autograd.Function that dynamo traces, so the
+quantisations are graph code inductor fuses and the backward's GEMMs are t1s::scaled_mm calls.
+T, D and V must be multiples of 16 (torch._scaled_mm).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, LaunchConfig, _check_inputs, softcap_ce_rows_
+from track_1_short.model.fp8 import (DIM_MULTIPLE, E4M3, E5M2, col_major, quantise, row_major,
+                                     scaled_mm, scaled_mm_body)
+
+
+def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
+              prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
+              programs_per_sm: int, fast_math: bool, fma_exp_passes: int) -> tuple[Tensor, Tensor]:
+    """(loss float32 [T], dz bf16 [T, V]) from x8 e4m3 [T, D] row-major and w8 e4m3 [D, V]
+    column-major (module docstring, forward)."""
+    z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V], overwritten with dz
+    loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
+                            LaunchConfig(block_v=block_v, num_warps=num_warps,
+                                         programs_per_sm=programs_per_sm, fast_math=fast_math,
+                                         fma_exp_passes=fma_exp_passes))
+    return loss, z
+
+
+softcap_ce_fp8_fwd = torch.library.custom_op("t1s::softcap_ce_fp8_fwd", _fwd_body, mutates_args=(),
+                                             tags=(torch.Tag.needs_exact_strides,))
+
+
+@softcap_ce_fp8_fwd.register_fake
+def _fwd_fake(x8, w8, x_s, w_s, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
+              num_warps, programs_per_sm, fast_math, fma_exp_passes):
+    t, v = x8.shape[0], w8.shape[1]
+    return x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16)
+
+
+class _Fp8SoftcapCE(torch.autograd.Function):
+    """loss [T] of softcap(x @ w) with the lm head in fp8 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
+                mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, block_v: int,
+                num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int) -> Tensor:
+        x8 = quantise(x, x_s, E4M3)  # [T, D]
+        w8 = quantise(w, w_s, E4M3)  # [D, V]
+        loss, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp_weights,
+                                      prefix_weight, prefix_targets, block_v, num_warps,
+                                      programs_per_sm, fast_math, fma_exp_passes)
+        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz)
+        ctx.dtypes = (x.dtype, w.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x8_col, w8_row, x_s, w_s, grad_s, dz = ctx.saved_tensors  # [T, D], [D, V], ..., [T, V]
+        g8 = quantise(dz * g.float()[:, None], grad_s, E5M2)  # [T, V]
+        dx = scaled_mm(row_major(g8), w8_row.t(), grad_s, w_s, torch.bfloat16, False)  # [T, V] @ [V, D]
+        dw = scaled_mm(x8_col.t(), col_major(g8), x_s, grad_s, torch.float32, False)  # [D, T] @ [T, V]
+        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), *([None] * 12)
+
+
+def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
+                          prefix_weight: Tensor, prefix_targets: Tensor, *, x_s: Tensor, w_s: Tensor,
+                          grad_s: Tensor, launch: LaunchConfig = DEFAULT_LAUNCH) -> Tensor:
+    """Per-token training loss float32 [T] of softcap(x @ w) with x and w quantised to e4m3 by the
+    dequantisation scales x_s, w_s and the logit gradient to e5m2 by grad_s (float32 0-d device
+    tensors in their own storage); differentiable in x and w. The other arguments as
+    kernels/softcap_ce.linear_softcap_ce's (x, w bf16 or float32 here: the logit gradient is
+    bf16 either way). ValueError for inputs the kernel or torch._scaled_mm cannot take."""
+    _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
+    dims = (x.shape[0], x.shape[1], w.shape[1])
+    if any(d % DIM_MULTIPLE for d in dims):
+        raise ValueError(f"linear_softcap_ce_fp8: T, D, V = {dims} must be multiples of {DIM_MULTIPLE} "
+                         "(torch._scaled_mm); keep lm_head out of Fp8Config.sites for these shapes")
+    return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
+                               prefix_targets, launch.block_v, launch.num_warps,
+                               launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes)
