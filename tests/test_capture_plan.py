@@ -1,9 +1,11 @@
 """Capture plan: keys from the schedule and the derived warmup visit plan.
 
-CPU only, pure Python, < 1 s: `.venv/bin/python -m pytest tests/test_capture_plan.py -q`.
+CPU only, pure Python, ~2 s (the phases import): `.venv/bin/python -m pytest tests/test_capture_plan.py -q`.
 """
 
 import dataclasses
+
+import pytest
 
 from track_1_short.perf.cuda_graphs.capture_plan import (StepGraphKey, cadence_span, describe_plan,
                                                          key_uses, step_keys, warmup_visit_plan)
@@ -83,3 +85,54 @@ def test_truncated_run_plans_only_reached_keys():
     visits = warmup_visit_plan(SPEEDRUN, num_steps=424)
     assert visits == [0, 1, 421, 422, 423, 423]  # key B serves one step: visited there twice
     assert [len(use.visits) for use in key_uses(keys, visits)] == [4, 2]
+
+
+class _HeldGradients:
+    """NgramStore's bound on held gradients (hold, num_pending, max_held, update_event), without
+    the table: hold raises past cycle x micro_steps, as the store does."""
+
+    def __init__(self, cycle: int, micro_steps: int):
+        self.max_held, self.num_pending, self.events = cycle * micro_steps, 0, []
+
+    def hold(self):
+        if self.num_pending >= self.max_held:
+            raise RuntimeError(f"{self.num_pending + 1} held n-gram gradients > {self.max_held}")
+        self.num_pending += 1
+
+    def update_event(self, step: int, lr_mul: float):
+        self.num_pending = 0
+        self.events.append(step)
+
+
+def _warm_up(schedule: Schedule, micro_steps: int, flush) -> _HeldGradients:
+    """train_step's n-gram half over the warmup visit plan (hold per micro-step, the event on the
+    plan's event steps), then trainer/phases.py's gap flush after each visit."""
+    from types import SimpleNamespace
+
+    plans = [schedule.plan(s) for s in range(schedule.num_steps)]
+    store = _HeldGradients(schedule.cfg.ngram_cycle, micro_steps)
+    run = SimpleNamespace(parts=SimpleNamespace(ngram=store), spec=SimpleNamespace(plans=plans))
+    visits = warmup_visit_plan(schedule)
+    for i, step in enumerate(visits):
+        for _ in range(micro_steps):
+            store.hold()
+        if plans[step].ngram_event:
+            store.update_event(step, plans[step].lr_mul)
+        flush(run, visits, i)
+    return store
+
+
+@pytest.mark.parametrize("micro_steps", [1, 4, 8])
+def test_warmup_applies_held_ngram_gradients_at_every_gap_of_the_speedrun_plan(micro_steps):
+    """The speedrun's visit plan jumps from step 848 to 1268, both without an n-gram event: the
+    held gradients would pass the store's bound at 1269 (the first 2-GPU speedrun died there).
+    trainer/phases._flush_gap applies them at every gap; without it the bound is passed (the same
+    property tests/test_train.py's speedrun warmup scenario shows through main(), -m slow)."""
+    from track_1_short.trainer.phases import _flush_gap
+
+    schedule = Schedule(ScheduleConfig())
+    store = _warm_up(schedule, micro_steps, _flush_gap)
+    assert 848 in store.events and not schedule.plan(848).ngram_event  # flushed at the gap
+    assert store.num_pending == 0  # the plan ends on the last step, an event
+    with pytest.raises(RuntimeError, match="held n-gram gradients"):
+        _warm_up(schedule, micro_steps, lambda run, visits, i: None)
