@@ -89,6 +89,27 @@ def test_gpt_window_change_moves_all_three_and_module_apply_still_works():
     assert seen.count("Yarn") == 3
 
 
+def test_set_yarn_window_applies_each_change_once():
+    """A step run again (the warmup's second visit of a one-step key, a self-check) asks for the
+    window the tables already serve: nothing moves, where applying the change again would
+    compound it (384 -> 896 twice is not 384 -> 896). The scenario through main() is
+    tests/test_train.py's one-step key test (-m slow for 2 micro-steps)."""
+    model, once = GPT(GPTConfig.tiny()), GPT(GPTConfig.tiny())
+    model.set_yarn_window(384)  # the first call records the base tables' window
+    assert model.yarn.attn_scale == 0.1
+    model.set_yarn_window(896)
+    tables = [b.clone() for b in model.yarn.buffers()]
+    model.set_yarn_window(896)  # the same step again
+    once.apply_window_change(384, 896)
+    for y in (model.yarn, model.yarn_paired_head, model.yarn_wide):
+        assert y.attn_scale == pytest.approx(0.11695, abs=5e-6)
+    assert all(torch.equal(a, b) for a, b in zip(model.yarn.buffers(), tables))
+    assert all(torch.equal(a, b) for a, b in zip(model.yarn.buffers(), once.yarn.buffers()))
+    model.set_yarn_window(1408)  # the next change goes on from 896
+    once.apply_window_change(896, 1408)
+    assert all(torch.equal(a, b) for a, b in zip(model.yarn.buffers(), once.yarn.buffers()))
+
+
 def test_bad_window_raises():
     with pytest.raises(ValueError, match="positive"):
         Yarn(64, 16).extend_window(0, 128)
