@@ -271,18 +271,20 @@ def test_key_serving_one_step_is_warmed_up_at_that_step_twice(shard_dir, tmp_pat
 
 def test_warmup_only_compiles_captures_and_exits(shard_dir, tmp_path, fresh_dynamo):
     """--warmup-only runs main()'s phases up to seal() (every key captured and self-checked, every
-    validation window compiled), writes warmup.json and trains no timed step."""
+    validation window compiled), writes warmup.json and trains no timed step. Over the first
+    stage only (--max-steps 6: one key and one validation window), half the compiles of the whole
+    micro schedule, which test_graph_path_end_to_end_on_cpu runs."""
     from track_1_short.perf.cuda_graphs.capture_support import RecordingGraphBackend
 
     cfg = micro_config(shard_dir, tmp_path, "warm", compile=True, compile_backend="aot_eager",
-                       warmup_only=True)
+                       warmup_only=True, max_steps=6)
     cfg.graphs = dataclasses.replace(cfg.graphs, mode="on")
     assert train(cfg, graph_backend=RecordingGraphBackend()) == 0
     run_dir = tmp_path / "warm"
     result = json.loads((run_dir / "warmup.json").read_text())
-    assert len(result["capture_report"]) == 2
+    assert len(result["capture_report"]) == 1
     assert all(row["self_checks"] == 1 for row in result["capture_report"])
-    assert result["compiles"] == {"warmup": 2 + 2}  # 2 keys, 2 validation windows
+    assert result["compiles"] == {"warmup": 1 + 1}  # 1 key, 1 validation window
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "metrics.jsonl").exists()  # no train step, no validation logged
 
