@@ -18,8 +18,8 @@ How it works (one definition for eager, torch.compile and CUDA-graph capture; sh
     backward  upstream g [T]: gz = g[:, None] * dz, g8 = q5(gz / grad_s)      (e5m2; graph code)
               dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
               dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
-The backward is model/fp8.py's _Fp8Matmul backward applied to gz (the same quantisation, the same
-layouts: g8 in both, x8 column-major, w8 row-major; exact accumulation), so an fp8 lm head trains
+The backward is model/fp8.fp8_matmul_grads (fp8_matmul's) applied to gz: the same quantisation,
+the same layouts (g8 in both, x8 column-major, w8 row-major), exact accumulation; so an fp8 lm head trains
 on the same gradient as the torch loss would give it, up to the bf16 rounding of dz (as in the
 bf16 fused op). Unlike the record's backward, which ignores grad_output, g is applied exactly;
 scaling the rows before quantising keeps one g8 for both GEMMs.
@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, LaunchConfig, _check_inputs, softcap_ce_rows_
-from track_1_short.model.fp8 import (DIM_MULTIPLE, E4M3, E5M2, col_major, quantise, row_major,
-                                     scaled_mm, scaled_mm_body)
+from track_1_short.model.fp8 import (check_fp8_dims, col_major, fp8_matmul_grads, quantise_operands,
+                                     row_major, scaled_mm_body)
 
 
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -79,8 +79,7 @@ class _Fp8SoftcapCE(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
                 mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, block_v: int,
                 num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int) -> Tensor:
-        x8 = quantise(x, x_s, E4M3)  # [T, D]
-        w8 = quantise(w, w_s, E4M3)  # [D, V]
+        x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
         loss, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp_weights,
                                       prefix_weight, prefix_targets, block_v, num_warps,
                                       programs_per_sm, fast_math, fma_exp_passes)
@@ -91,10 +90,9 @@ class _Fp8SoftcapCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         x8_col, w8_row, x_s, w_s, grad_s, dz = ctx.saved_tensors  # [T, D], [D, V], ..., [T, V]
-        g8 = quantise(dz * g.float()[:, None], grad_s, E5M2)  # [T, V]
-        dx = scaled_mm(row_major(g8), w8_row.t(), grad_s, w_s, torch.bfloat16, False)  # [T, V] @ [V, D]
-        dw = scaled_mm(x8_col.t(), col_major(g8), x_s, grad_s, torch.float32, False)  # [D, T] @ [T, V]
-        return dx.to(ctx.dtypes[0]), dw.to(ctx.dtypes[1]), *([None] * 12)
+        dx, dw = fp8_matmul_grads(dz * g.float()[:, None], grad_s, x8_col, w8_row, x_s, w_s,
+                                  ctx.dtypes)  # the logit gradient gz [T, V] through both GEMMs
+        return dx, dw, *([None] * 12)
 
 
 def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -106,10 +104,8 @@ def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Te
     kernels/softcap_ce.linear_softcap_ce's (x, w bf16 or float32 here: the logit gradient is
     bf16 either way). ValueError for inputs the kernel or torch._scaled_mm cannot take."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
-    dims = (x.shape[0], x.shape[1], w.shape[1])
-    if any(d % DIM_MULTIPLE for d in dims):
-        raise ValueError(f"linear_softcap_ce_fp8: T, D, V = {dims} must be multiples of {DIM_MULTIPLE} "
-                         "(torch._scaled_mm); keep lm_head out of Fp8Config.sites for these shapes")
+    check_fp8_dims("linear_softcap_ce_fp8", x, w, "T, D, V",
+                   "keep lm_head out of Fp8Config.sites for these shapes")
     return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
                                prefix_targets, launch.block_v, launch.num_warps,
                                launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes)

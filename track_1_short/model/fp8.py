@@ -280,8 +280,7 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor | None):
-        x8 = quantise(x, x_s, E4M3)  # [T, K]
-        w8 = quantise(w, w_s, E4M3)  # [K, N]
+        x8, w8 = quantise_operands(x, w, x_s, w_s)
         # each operand in the layout of each GEMM that reads it (module docstring, layout rules)
         ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s)
         ctx.dtypes = (x.dtype, w.dtype)
@@ -291,11 +290,35 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x8_col, w8_row, x_s, w_s, grad_s = ctx.saved_tensors  # [T, K] col-, [K, N] row-major
         g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
-        g8 = quantise(g, g_s, E5M2)  # [T, N]
-        # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
-        grad_x = scaled_mm(row_major(g8), w8_row.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
-        grad_w = scaled_mm(x8_col.t(), col_major(g8), x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
-        return grad_x.to(ctx.dtypes[0]), grad_w.to(ctx.dtypes[1]), None, None, None
+        return (*fp8_matmul_grads(g, g_s, x8_col, w8_row, x_s, w_s, ctx.dtypes), None, None, None)
+
+
+def quantise_operands(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's e4m3 operands x8 [T, K], w8 [K, N] (strides as given; the GEMM that reads
+    each one picks its layout with row_major / col_major)."""
+    return quantise(x, x_s, E4M3), quantise(w, w_s, E4M3)
+
+
+def fp8_matmul_grads(g: Tensor, g_s: Tensor, x8_col: Tensor, w8_row: Tensor, x_s: Tensor,
+                     w_s: Tensor, dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor, Tensor]:
+    """The backward of x [T, K] @ w [K, N] in fp8 from the output gradient g [T, N]: g quantised
+    to e5m2 by g_s, then grad_x = g8 @ w8^T and grad_w = x8^T @ g8 (float32), cast to `dtypes`
+    (x's, w's). x8_col / w8_row: the forward's operands, column- / row-major. One definition for
+    fp8_matmul and the fp8 lm-head loss (kernels/softcap_ce_fp8.py)."""
+    g8 = quantise(g, g_s, E5M2)  # [T, N]
+    # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
+    grad_x = scaled_mm(row_major(g8), w8_row.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
+    grad_w = scaled_mm(x8_col.t(), col_major(g8), x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
+    return grad_x.to(dtypes[0]), grad_w.to(dtypes[1])
+
+
+def check_fp8_dims(where: str, x: Tensor, w: Tensor, names: str, fix: str) -> None:
+    """ValueError unless x [T, K] and w [K, N] have T, K, N multiples of DIM_MULTIPLE
+    (torch._scaled_mm); `names` spells the three dims for the message, `fix` says what to do."""
+    dims = (x.shape[0], x.shape[1], w.shape[1])
+    if any(d % DIM_MULTIPLE for d in dims):
+        raise ValueError(f"{where}: {names} = {dims} must be multiples of {DIM_MULTIPLE} "
+                         f"(torch._scaled_mm); {fix}")
 
 
 def fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
@@ -305,10 +328,7 @@ def fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
     T, K, N must be multiples of 16 (ValueError otherwise)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise ValueError(f"fp8_matmul: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} @ {tuple(w.shape)}")
-    dims = (x.shape[0], x.shape[1], w.shape[1])
-    if any(d % DIM_MULTIPLE for d in dims):
-        raise ValueError(f"fp8_matmul: T, K, N = {dims} must be multiples of {DIM_MULTIPLE} "
-                         "(torch._scaled_mm); pad the batch or run with --no-fp8")
+    check_fp8_dims("fp8_matmul", x, w, "T, K, N", "pad the batch or run with --no-fp8")
     return _Fp8Matmul.apply(x, w, x_s, w_s, grad_s)
 
 
