@@ -290,7 +290,8 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         x8_col, w8_row, x_s, w_s, grad_s = ctx.saved_tensors  # [T, K] col-, [K, N] row-major
         g_s = amax_scale(g, E5M2) if grad_s is None else grad_s
-        return (*fp8_matmul_grads(g, g_s, x8_col, w8_row, x_s, w_s, ctx.dtypes), None, None, None)
+        grad_x, grad_w = fp8_matmul_grads(g, g_s, x8_col, w8_row, x_s, w_s, ctx.dtypes)
+        return grad_x, grad_w, None, None, None
 
 
 def quantise_operands(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> tuple[Tensor, Tensor]:
