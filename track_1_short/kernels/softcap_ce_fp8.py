@@ -18,11 +18,11 @@ How it works (one definition for eager, torch.compile and CUDA-graph capture; sh
     backward  upstream g [T]: gz = g[:, None] * dz, g8 = q5(gz / grad_s)      (e5m2; graph code)
               dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
               dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
-The backward is model/fp8.fp8_matmul_grads (fp8_matmul's) applied to gz: the same
-quantisation, the same layouts (g8 in both, x8 column-major, w8 row-major), exact accumulation;
-so an fp8 lm head trains on the same gradient as the torch loss would give it, up to the bf16
-rounding of dz (as in the bf16 fused op). Unlike the record's backward, which ignores grad_output, g is applied exactly;
-scaling the rows before quantising keeps one g8 for both GEMMs.
+The backward is model/fp8.fp8_matmul_grads (fp8_matmul's) applied to gz: the same quantisation,
+the same layouts (g8 in both, x8 column-major, w8 row-major), exact accumulation; so an fp8 lm
+head trains on the same gradient as the torch loss would give it, up to the bf16 rounding of dz
+(as in the bf16 fused op). Unlike the record's backward, which ignores grad_output, g is applied
+exactly; scaling the rows before quantising keeps one g8 for both GEMMs.
 
 Scales: the lm head's static ones (Fp8Matmuls.lm_head_{x,w,grad}_scale, facts 1.7: 100/448,
 1.6/448, 0.75/448), passed as their buffers (nothing writes them during a step).
