@@ -60,17 +60,13 @@ variant_flags() {
     no_trigram) echo --set model.ngram.trigram=false ;;
     attn_in7) echo --set model.attn_input_layer=7 ;;
     backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
-    head_like) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
-                    --set model.ngram.weight_decay=0.025 --set model.ngram.trigram=false \
-                    --set model.attn_input_layer=7 --set model.backout_layer=7 --set model.backout=-0.5 ;;
+    head_like) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
+                    "$(variant_flags attn_in7) $(variant_flags backout7)" ;;
     mudd_gates) echo --set model.mudd.gates=true ;;
     mudd_conn) echo --set model.mudd.connections=true ;;
     mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
-    head_mudd) echo --set model.attn_out_init=uniform --set model.ngram.update=dense \
-                    --set model.ngram.weight_decay=0.025 --set model.ngram.trigram=false \
-                    --set model.attn_input_layer=7 \
-                    --set model.mudd.gates=true --set model.mudd.dc=true \
-                    --set model.mudd.connections=true ;;
+    head_mudd) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
+                    "$(variant_flags attn_in7) $(variant_flags mudd_dc) $(variant_flags mudd_conn)" ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
   esac

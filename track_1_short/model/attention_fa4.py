@@ -4,7 +4,9 @@ torch.compile(fullgraph=True) keeps it in one graph and a CUDA graph can capture
 
 What it replaces: HEAD modded-nanogpt's FA3 varlen call from the `kernels` hub (facts 1.4), which
 is not installable here, and our FlexAttention backend where this one is faster and passes the
-step graphs' self-check (both unmeasured: scripts/gpu/fa4_attention.sh measures them).
+step graphs' self-check: at stage C on one H200 our step took 679.6 ms with it and 722.0 ms with
+FlexAttention, graphs on and self-checked (scripts/gpu/fp8_step.sh's fa4 variant,
+docs/results/step_variants_h200_2026-12-01_C.json); stage A and loss not measured yet.
 
 Semantics: those of model/attention.py (query i attends key j iff j <= i, i - j <= window, same
 document of cum_seqlens): FA's window_size = (window, 0), causal. cum_seqlens int32 [C] padded
