@@ -19,6 +19,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.cuda_capture import warm_and_capture
 from tests.test_attention import _cu
 from track_1_short.model.attention import _fa3_available, attention, reference_attention
 
@@ -162,15 +163,7 @@ def test_fa4_compiled_and_captured_replays_equal_eager():
         out = run(*leaves, cu, max(lengths), window, SCALE, "fa4")
         return (out, *torch.autograd.grad(out, leaves, probe))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile, then the kernels' JIT: outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = warm_and_capture(step)  # compile, then the kernels' JIT: outside the capture
     g = torch.Generator(device="cuda").manual_seed(7)
     with torch.no_grad():
         for x in (*leaves, probe):

@@ -20,6 +20,7 @@ Legend: T tokens, K inner dim, N output dim.
 import pytest
 import torch
 
+from tests.cuda_capture import warm_and_capture
 from track_1_short.model.fp8 import (E4M3, E4M3_MAX, MLP_DOWN_W_MARGIN, MLP_DOWN_X_MARGIN, Fp8Config,
                                      Fp8Matmuls, amax, amax_scale, fp8_matmul_backward_reference,
                                      fp8_matmul_reference)
@@ -162,15 +163,8 @@ def test_cuda_graph_capture_and_replay_on_new_values(site):
         out = m.matmul(x, w, which=site, layer=0)
         return (out, *torch.autograd.grad(out, (x, w), g))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm-up outside capture (cuBLASLt workspace, allocator)
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    # warm-up outside capture (cuBLASLt workspace, allocator)
+    graph, static_out = warm_and_capture(step, warm_iterations=3)
 
     new_x, new_w, new_g = _operands(site, t, k, n, seed=3)
     with torch.no_grad():

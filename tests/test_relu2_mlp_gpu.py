@@ -12,6 +12,7 @@ Run: `python3 -m pytest -m gpu tests/test_relu2_mlp_gpu.py -q`.
 import pytest
 import torch
 
+from tests.cuda_capture import warm_and_capture
 from track_1_short.model.fp8 import PlainMatmuls
 
 pytestmark = [
@@ -69,15 +70,7 @@ def test_quack_mlp_compiled_and_captured_replays_equal_eager():
         y = run(*leaves, layer=0)
         return (y, *torch.autograd.grad(y, leaves, dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # compile, JIT and autotune outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = warm_and_capture(step)  # compile, JIT and autotune outside the capture
     fresh = _operands(2)
     with torch.no_grad():
         for dst, src in zip((*leaves, dy), fresh):

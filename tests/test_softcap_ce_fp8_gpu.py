@@ -25,6 +25,7 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
+from tests.cuda_capture import warm_and_capture  # noqa: E402
 from tests.test_softcap_ce_gpu import KEYS, _inputs, rel_err  # noqa: E402
 from track_1_short.kernels.softcap_ce import linear_softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8  # noqa: E402
@@ -99,16 +100,12 @@ def test_compiled_and_captured_replay_equals_eager():
     torch.testing.assert_close(comp[0], eager[0], rtol=1e-6, atol=1e-5)
     assert rel_err(comp[1], eager[1].float()) < 1e-2 and rel_err(comp[2], eager[2].float()) < 1e-2
     x, w = static[0].requires_grad_(), static[1].requires_grad_()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            torch.autograd.grad(compiled(x, w, *static[2:]).sum(), (x, w))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         loss = compiled(x, w, *static[2:])
-        dx, dw = torch.autograd.grad(loss.sum(), (x, w))
+        return (loss, *torch.autograd.grad(loss.sum(), (x, w)))
+
+    graph, (loss, dx, dw) = warm_and_capture(step)
     fresh = _inputs("A", seed=5)
     with torch.no_grad():
         for buf, new in zip((x, static[2], static[5]), (fresh[0], fresh[2], fresh[5])):

@@ -27,6 +27,7 @@ pytestmark = [
 
 triton = pytest.importorskip("triton")
 
+from tests.cuda_capture import warm_and_capture  # noqa: E402
 from track_1_short.kernels.softcap_ce import linear_softcap_ce, linear_softcap_ce_op  # noqa: E402
 from track_1_short.model.loss import softcap, training_loss  # noqa: E402
 
@@ -114,16 +115,12 @@ def test_compiled_fullgraph_equals_eager():
 def test_cuda_graph_replay_on_new_inputs_equals_eager():
     static = _inputs("A", seed=4)
     x, w = static[0].requires_grad_(), static[1].requires_grad_()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warmup: compiles the kernel, settles the allocator
-        for _ in range(2):
-            torch.autograd.grad(linear_softcap_ce(x, w, *static[2:]).sum(), (x, w))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def step():
         loss = linear_softcap_ce(x, w, *static[2:])
-        dx, dw = torch.autograd.grad(loss.sum(), (x, w))
+        return (loss, *torch.autograd.grad(loss.sum(), (x, w)))
+
+    graph, (loss, dx, dw) = warm_and_capture(step)  # warmup: compiles the kernel, settles the allocator
     fresh = _inputs("A", seed=5)
     mtp_new, pw_new = torch.tensor([1.0, 0.3, 0.7], device="cuda"), torch.tensor(0.6, device="cuda")
     with torch.no_grad():
