@@ -1,7 +1,8 @@
 # Sourced by the device-call scripts in this folder: environment, log folder, machine facts,
-# `run_trainer`, `run_anchor` (the record's harness), `left` (seconds to the call's deadline) and
-# `pack_outputs` (the device tool returns at most 8 files of <= 16 MiB: logs and runs go in one
-# tarball, a larger compile cache is split). Needs $OUT (the device tool's output folder).
+# `run_trainer`, `run_anchor` (the record's harness), `run_gpu_tests`, `use_fa4_packages`, `left`
+# (seconds to the call's deadline) and `pack_outputs` (the device tool returns at most 8 files of
+# <= 16 MiB: logs and runs go in one tarball, a larger compile cache is split). Needs $OUT (the
+# device tool's output folder).
 set -u
 export TIKTOKEN_CACHE_DIR=$PWD/.carry/tiktoken PYTHONPATH=. PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$PWD/build/inductor_cache
@@ -66,6 +67,16 @@ run_anchor() {
 use_fa4_packages() {
   bash scripts/gpu/fa4_install.sh > "$L/fa4_install.log" 2>&1 || { cat "$L/fa4_install.log"; pack_outputs; exit 2; }
   source .fa4_site/ENV
+}
+
+# `run_gpu_tests LOG LIMIT_S [pytest args: files, -k ..., -s]`: the GPU tests (-m gpu -v -rA)
+# into LOG, then "exit CODE after N s"; its last lines on the console.
+run_gpu_tests() {
+  local log=${1:?usage: run_gpu_tests LOG LIMIT_S [pytest args]} limit=${2:?}
+  shift 2
+  timeout -k 15 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider -rA "$@" > "$log" 2>&1
+  echo "exit $? after $(elapsed) s" >> "$log"
+  tail -n 25 "$log"
 }
 
 # Seconds left before DEADLINE_S (default 585: the device tool's 600 s call limit, less packing).

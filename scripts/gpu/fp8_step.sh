@@ -60,16 +60,11 @@ step_variant() {  # NAME LIMIT_S FLAGS...
 }
 if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack|fa4_fp8_head)\  ]]; then  # the package, then its kernels' GPU tests
   use_fa4_packages
-  timeout -k 10 240 python3 -m pytest -m gpu -v -p no:cacheprovider -rA tests/test_relu2_mlp_gpu.py \
-      tests/test_attention_gpu.py -k "fa4 or quack" > "$L/fa4_quack_gpu_tests.log" 2>&1
-  echo "exit $? after $(elapsed) s" >> "$L/fa4_quack_gpu_tests.log"
-  tail -n 12 "$L/fa4_quack_gpu_tests.log"
+  run_gpu_tests "$L/fa4_quack_gpu_tests.log" 240 tests/test_relu2_mlp_gpu.py tests/test_attention_gpu.py \
+      -k "fa4 or quack"
 fi
 if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head)\  ]]; then  # the fp8 head loss's GPU tests first
-  timeout -k 10 150 python3 -m pytest -m gpu -v -s -p no:cacheprovider -rA tests/test_softcap_ce_fp8_gpu.py \
-      > "$L/softcap_ce_fp8_gpu_tests.log" 2>&1
-  echo "exit $? after $(elapsed) s" >> "$L/softcap_ce_fp8_gpu_tests.log"
-  tail -n 8 "$L/softcap_ce_fp8_gpu_tests.log"
+  run_gpu_tests "$L/softcap_ce_fp8_gpu_tests.log" 150 -s tests/test_softcap_ce_fp8_gpu.py
 fi
 run_variants fp8_step 15 90 step_variant || exit 2
 # one JSON of every variant against BASELINE (default bf16, when it ran in this call)

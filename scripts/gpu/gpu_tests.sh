@@ -6,6 +6,4 @@
 source scripts/gpu/common.sh  # run from the repo root
 name=${1:?usage: gpu_tests.sh LOG_NAME LIMIT_S [pytest args]} limit=${2:?}
 shift 2
-timeout -k 15 "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider -rA "$@" > "$OUT/$name" 2>&1
-echo "exit $? after $(elapsed) s" >> "$OUT/$name"
-tail -n 25 "$OUT/$name"
+run_gpu_tests "$OUT/$name" "$limit" "$@"
