@@ -15,12 +15,15 @@ Output, per stage S in --stages and graphs variant on/off:
                                  time per step (CUDA events at step start and end)
     host_issue_ms                variants[g].host_issue_ms.median_ms: the host's time to issue a
                                  step; at or above step_ms the host is the bottleneck
-    gpu_busy                     variants[g].gpu_busy: device-busy time (torch.profiler, 2 steps)
-                                 / step_ms median; null when the bench ran without --profile
+    gpu_busy                     variants[g].gpu_busy: the busy share of the device's timeline in
+                                 a torch.profiler window of 2 steps (bench/step.py); null when
+                                 the bench ran without --profile
     host_syncs_per_step          variants[g].host_syncs_per_step (sync debug mode counts; null
                                  on CPU)
   stages.S.on_over_off: step_ms_median and host_issue_ms, graphs on / graphs off
-  command {script, builder, ours: {S: command}}, machine {name, ours: the stage-A file's machine}
+  command {script, builder, ours: {S: command}}, machine {name, ours: the first stage's file's
+  machine, by_stage: {S: that stage's file's machine}} (stages may come from different calls:
+  compare graphs on with off within a stage, never stages with each other)
 
 Run: PYTHONPATH=. python bench/host_bound.py --step OUT/host_bound_A.json \\
          --step OUT/host_bound_C.json --machine h200 --out-dir docs/results
@@ -54,7 +57,7 @@ def variant(bench: StepBench, graphs: str) -> dict:
 def build(paths: list[Path], stages: list[str], machine: str, script: str | None) -> dict:
     benches = load_step_benches(paths)
     result = {"command": {"script": script, "builder": builder_command(), "ours": {}},
-              "machine": {"name": machine, "ours": None}, "stages": {}}
+              "machine": {"name": machine, "ours": None, "by_stage": {}}, "stages": {}}
     for stage in stages:
         if stage not in benches:
             raise InputError(f"--step: no bench/step.py result for stage {stage} among "
@@ -63,6 +66,7 @@ def build(paths: list[Path], stages: list[str], machine: str, script: str | None
         on, off = variant(benches[stage], "on"), variant(benches[stage], "off")
         result["command"]["ours"][stage] = benches[stage].command
         result["machine"]["ours"] = result["machine"]["ours"] or benches[stage].machine
+        result["machine"]["by_stage"][stage] = benches[stage].machine
         result["stages"][stage] = {
             "graphs_on": on, "graphs_off": off,
             "on_over_off": {"step_ms_median": ratio(dig(on, "step_ms", "median"),

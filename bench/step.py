@@ -12,7 +12,8 @@ alone: its key compiles once, the warmup captures and self-checks it, then --ste
 - host_issue_ms: the host's time to issue a step (below step_ms: the GPU is the bottleneck),
   host_syncs_per_step (torch.cuda.set_sync_debug_mode counts, trainer/timing.SyncCounter);
 - with --profile (default on CUDA): a torch.profiler window of 2 steps after the timed ones:
-  kernel_ms_per_step, device_busy_ms_per_step, gpu_busy = busy / step_ms, kernels_per_step and
+  kernel_ms_per_step, device_busy_ms_per_step, gpu_busy (the busy share of the device's timeline
+  inside the window, perf/profiling.kernel_stats's busy_fraction), kernels_per_step and
   top_kernels (the 30 kernel names by time per step: where the GPU time goes);
 - peak memory, recompiles during the timed steps (must be 0), the warmup's seconds.
 Deviations from the full schedule, which change no kernel's work: YaRN tables are the base ones
@@ -147,7 +148,7 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
     if run.log.profile:
         p = run.log.profile
         row.update(kernel_ms_per_step=p["kernel_ms"], device_busy_ms_per_step=p["device_busy_ms"],
-                   gpu_busy=p["device_busy_ms"] / row["step_ms"]["median_ms"],
+                   gpu_busy=p["busy_fraction"],
                    kernels_per_step=p["kernels_per_step"], top_kernels=p.get("top_kernels"))
     micro = row["phases_ms"]["micro_step_ms"]
     if micro:

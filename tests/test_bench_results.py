@@ -237,9 +237,15 @@ def _host_bound_inputs(tmp_path: Path, micro: int = 1) -> list[Path]:
 
 
 def test_host_bound_maps_each_field_and_the_on_off_ratio(tmp_path):
-    assert _host_bound(tmp_path, _host_bound_inputs(tmp_path)) == 0
+    paths = _host_bound_inputs(tmp_path)
+    data = json.loads(paths[1].read_text())  # stage C from another call: its own machine record
+    data["machine"] = {"gpu": "NVIDIA H200", "date": "2026-12-01T23:53:00+0000"}
+    paths[1].write_text(json.dumps(data))
+    assert _host_bound(tmp_path, paths) == 0
     out = json.loads((tmp_path / "out" / "host_bound_h200_2026-12-01.json").read_text())
     assert out["command"]["ours"]["A"].endswith("--stage A") and out["machine"]["name"] == "h200"
+    assert out["machine"]["ours"] == {"gpu": "NVIDIA H200"}
+    assert out["machine"]["by_stage"] == {"A": {"gpu": "NVIDIA H200"}, "C": data["machine"]}
     a = out["stages"]["A"]
     assert a["graphs_on"] == {"step_ms": {"median": 35.0, "p10": 34.0, "p90": 36.0}, "host_issue_ms": 20.0,
                               "gpu_busy": pytest.approx(272.4 / 35.0), "host_syncs_per_step": 0.0}

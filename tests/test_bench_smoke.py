@@ -181,7 +181,10 @@ def test_kernel_stats_rank_kernels_and_count_overlaps_once():
              {"ph": "X", "cat": "kernel", "name": "b", "ts": 50.0, "dur": 100.0},  # overlaps a
              {"ph": "X", "cat": "gpu_memcpy", "name": "h2d", "ts": 300.0, "dur": 50.0}]
     stats = profiling.kernel_stats(timed, num_steps=1)
-    assert stats == {"kernel_ms": 0.2, "device_busy_ms": 0.2, "kernels_per_step": 2.0}
+    # busy: [0, 150) and [300, 350) = 200 us of a 350 us span (an idle gap of 150 us)
+    assert stats == {"kernel_ms": 0.2, "device_busy_ms": 0.2, "device_span_ms": 0.35,
+                     "busy_fraction": pytest.approx(200 / 350), "kernels_per_step": 2.0}
+    assert profiling.kernel_stats([], num_steps=1)["busy_fraction"] is None
 
 
 def test_corpus_flops_compares_real_and_synthetic_batches(tmp_path):

@@ -11,6 +11,14 @@ it writes `trace_steps_<start>_<end>.json.gz` (chrome trace, for chrome://tracin
     kernel_ms          summed kernel durations / num_steps
     device_busy_ms     union of kernel, memcpy and memset intervals (overlaps, e.g. side streams,
                        counted once) / num_steps
+    device_span_ms     first device start to last device end in the window / num_steps
+    busy_fraction      device_busy_ms / device_span_ms (None without device events): how much of
+                       the device's timeline inside the window was busy. The window's device work
+                       need not be num_steps steps of it: the host runs ahead, so the queue holds
+                       work of the step before the window when it opens, and the window's kernels
+                       can exceed num_steps steps' worth; a ratio over the window's own span is
+                       <= 1 either way (busy over a step time measured elsewhere was not: 1.025 at
+                       stage C, docs/results/host_bound_h200_2026-12-01b.json)
     kernels_per_step   kernel launches / num_steps
     top_kernels        (top > 0) the `top` kernel names by total time: [{name, ms_per_step,
                        calls_per_step}], names cut at 200 characters before grouping
@@ -66,7 +74,8 @@ def top_kernels(events: list[dict], num_steps: int, top: int) -> list[dict]:
 
 
 def kernel_stats(events: list[dict], num_steps: int, top: int = 0) -> dict:
-    """Per-step kernel time, device-busy time (interval union), launches, and the top kernels."""
+    """Per-step kernel time, device-busy time (interval union) and span, the busy fraction, launches,
+    and the top kernels (module docstring)."""
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("ph") == "X" and e.get("cat") == "kernel"]
     busy = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
@@ -76,8 +85,11 @@ def kernel_stats(events: list[dict], num_steps: int, top: int = 0) -> dict:
         if b > end:
             union += b - max(a, end)
             end = b
+    span = (max(b for _, b in busy) - busy[0][0]) if busy else 0.0
     out = {"kernel_ms": sum(b - a for a, b in kernels) / 1e3 / num_steps,
            "device_busy_ms": union / 1e3 / num_steps,
+           "device_span_ms": span / 1e3 / num_steps,
+           "busy_fraction": union / span if span > 0 else None,
            "kernels_per_step": len(kernels) / num_steps}
     if top > 0:
         out["top_kernels"] = top_kernels(events, num_steps, top)
