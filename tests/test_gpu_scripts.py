@@ -1,5 +1,6 @@
-"""The GPU scripts' variants build valid runs: every variant that scripts/gpu/loss_ablations.sh
-and scripts/gpu/fp8_step.sh know, its flags taken from the script's own `variant_flags`, parsed
+"""The GPU scripts' variants build valid runs: every variant that scripts/gpu/loss_variants.sh
+(loss_ablations.sh and loss_parity.sh) and scripts/gpu/fp8_step.sh know, its flags taken from the
+script's own `variant_flags`, parsed
 with the small-gpu preset and the model built on the meta device. A flag that no longer exists or
 a combination the config refuses fails here on the CPU instead of in a device call.
 
@@ -19,7 +20,7 @@ from track_1_short import config
 from track_1_short.model.gpt import GPT
 
 GPU = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
-SCRIPTS = ("loss_ablations.sh", "fp8_step.sh")
+SCRIPTS = ("loss_variants.sh", "fp8_step.sh")
 
 
 def _variants(script: str) -> list[str]:
@@ -42,7 +43,7 @@ CASES = [(s, v) for s in SCRIPTS for v in _variants(s)]
 
 
 def test_every_script_has_variants():
-    assert {"base", "dense_ngram", "head_like", "head_mudd"} <= set(_variants("loss_ablations.sh"))
+    assert {"base", "dense_ngram", "head_like", "head_mudd"} <= set(_variants("loss_variants.sh"))
     assert {"bf16", "fp8_mlp"} <= set(_variants("fp8_step.sh"))
 
 
@@ -56,7 +57,7 @@ def test_variant_parses_and_builds(script, variant, tmp_path):
 
 def test_an_unknown_variant_is_refused():
     result = subprocess.run(
-        ["bash", "-c", f"eval \"$(sed -n '/^variant_flags() {{/,/^}}/p' {GPU / 'loss_ablations.sh'})\"; "
+        ["bash", "-c", f"eval \"$(sed -n '/^variant_flags() {{/,/^}}/p' {GPU / 'loss_variants.sh'})\"; "
          "variant_flags no_such_variant"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown variant 'no_such_variant'" in result.stderr
 

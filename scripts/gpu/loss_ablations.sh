@@ -10,31 +10,11 @@
 # mixed corpus the record curve was measured on), validation every 10 steps on the record's
 # tokens, train objective every step, cut after MAX_STEPS (default 110: the points before the data
 # repeats at step 107), then bench/loss_parity.py build --variant NAME ->
-# $OUT/loss_parity_embedded-large_NAME_<date>.json. Variants (flags after the common ones):
-#   base        the defaults (the parity run's configuration)
-#   data_seed1  --data-seed 1: another document order (the noise of one curve)
-#   init_seed1  --seed 1: another init (the noise of one curve)
-#   uniform_o   --set model.attn_out_init=uniform: attention output projections drawn like V (HEAD)
-#   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
-#   dense_wd    dense_ngram with --set model.ngram.weight_decay=0.025: HEAD's bigram Adam also
-#               decays (cautious, lr^2 x 0.005 x wd_mul 5)
-#   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
-#   attn_in7    --set model.attn_input_layer=7: layers 8-10 attend over norm(h_7) (HEAD)
-#   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
-#               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
-#   head_like   all five HEAD-like changes above at once, the n-gram table's decay too
-#   mudd_gates  --set model.mudd.gates=true: per-token x0 / n-gram / skip gates, XSA on 1, 3, 4, 7,
-#               output gates on 3 and 10 (HEAD's MUDD gates)
-#   mudd_conn   --set model.mudd.connections=true: the last layer and the final norm read
-#               per-token amounts of earlier residuals (HEAD's MUDD; the backout is learned)
-#   mudd_dc     mudd_gates with --set model.mudd.dc=true: DC on layer 10 (HEAD's lightweight
-#               dynamically composable attention; in torch ops here)
-#   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
-#               HEAD's model
-#   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
+# $OUT/loss_parity_embedded-large_NAME_<date>.json.
+#   (the variants and their flags: scripts/gpu/loss_variants.sh)
 # Wall, one H200, cold (measured 2026-12-01): base 334 s (keys A and B and their two validation
-# windows compile for ~260 s, then 110 steps and 12 validations); head_mudd was cut at 206 s
-# after its warmup's first step took 142 s and its A validation windows 185 s (~390 s in all). A
+# windows compile for ~260 s, then 110 steps and 12 validations); head_mudd 411 s (warmup 333 s,
+# then its 110 steps; the process needed a few seconds more than its 405 s limit to exit). A
 # variant that only changes values (data_seed1, init_seed1, uniform_o) reuses base's graphs from
 # the inductor cache (~80 s after base in the same call); one that changes the forward (no_trigram,
 # attn_in7, backout7, head_like, the mudd ones) or the optimizer (adamw) compiles its own (~330-400
@@ -44,33 +24,12 @@
 # 110, docs/results/loss_ablations_embedded-large_2026-12-01/README.md). Each variant gets what
 # is left of the call's deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
+source scripts/gpu/loss_variants.sh  # variant_flags
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
 RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
 BASE_JSON=${BASE_JSON:-docs/results/loss_ablations_embedded-large_2026-12-01/loss_parity_embedded-large_base_2026-12-01.json}
 VARIANTS=${VARIANTS:-base uniform_o dense_ngram no_trigram data_seed1}
 VAL_SEQ=32768 VAL_TOKENS=196608  # the record run's VAL_SEQ / VAL_TOKENS (its settings.log)
-variant_flags() {
-  case "$1" in
-    base) ;;
-    data_seed1) echo --data-seed 1 ;;
-    init_seed1) echo --seed 1 ;;
-    uniform_o) echo --set model.attn_out_init=uniform ;;
-    dense_ngram) echo --set model.ngram.update=dense ;;
-    dense_wd) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
-    no_trigram) echo --set model.ngram.trigram=false ;;
-    attn_in7) echo --set model.attn_input_layer=7 ;;
-    backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
-    head_like) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
-                    "$(variant_flags attn_in7) $(variant_flags backout7)" ;;
-    mudd_gates) echo --set model.mudd.gates=true ;;
-    mudd_conn) echo --set model.mudd.connections=true ;;
-    mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
-    head_mudd) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
-                    "$(variant_flags attn_in7) $(variant_flags mudd_dc) $(variant_flags mudd_conn)" ;;
-    adamw) echo --optimizer adamw ;;
-    *) echo "loss_ablations.sh: unknown variant '$1'" >&2; return 2 ;;
-  esac
-}
 train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with the record curve
   local v=$1 limit=$2 rc
   shift 2

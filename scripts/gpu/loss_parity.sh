@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Our val loss against the record's on the same corpus, schedule and validation tokens, one H200,
 # one device call from the repo root ($OUT: the tool's folder):
-#   bash scripts/gpu/loss_parity.sh [run|warmup]      (MAX_STEPS=N: ours stops after N steps)
+#   bash scripts/gpu/loss_parity.sh [run|warmup]      (MAX_STEPS=N: ours stops after N steps;
+#   VARIANT=NAME: ours with a variant's flags, scripts/gpu/loss_variants.sh, e.g. head_mudd)
 #   carry [".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken", "data/embedded-large"]
 #   (scripts/gpu/prepare_carry.sh fills them on the CPU machine)
 # run (default), the two trainers side by side (loss does not depend on timing, and one after the
@@ -17,7 +18,8 @@
 #   steps of the same schedule (--max-steps: only the keys and validation windows of those steps
 #   compile), e.g. MAX_STEPS=110 for the points before the data repeats (step ~103-107 on
 #   embedded-large) on a cold machine, where both full runs do not fit one call;
-# then bench/loss_parity.py build -> $OUT/loss_parity_embedded-large_<date>.json and `report
+# then bench/loss_parity.py build -> $OUT/loss_parity_embedded-large_<date>.json (with a VARIANT
+# other than base: loss_parity_embedded-large_<VARIANT>_<date>.json) and `report
 # compare --record` -> $OUT/compare/ (compare.json, val_loss_compare.png); run dir, the record's
 # loss.jsonl / loss.json and the logs in results.tgz.
 # warmup: fills both compile caches for a following `run` on the same machine (within its warm
@@ -34,10 +36,13 @@
 # vs_record.sh and host_bound.sh on the same warm machine, stages A/0 and C/2 are already compiled.
 # Both trainers have time limits (end by DEADLINE_S, 585 s); a cut run still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
-MODE=${1:-run}
+source scripts/gpu/loss_variants.sh  # variant_flags
+MODE=${1:-run} VARIANT=${VARIANT:-base}
 DATA=${DATA:-data/embedded-large} VAL_EVERY=${VAL_EVERY:-10}
 DATE=$(date -u +%F)
 case "$MODE" in run|warmup) ;; *) echo "loss_parity.sh: MODE is run or warmup, not '$MODE'" >&2; exit 2 ;; esac
+variant_args=$(variant_flags "$VARIANT") || exit 2
+read -r -a VARIANT_ARGS <<< "$variant_args"
 args_line=$(python3 bench/loss_parity.py anchor-args --preset small-gpu --data-dir "$DATA" \
             --val-every "$VAL_EVERY" 2> "$L/anchor_args.log") || { cat "$L/anchor_args.log" >&2; exit 2; }
 read -r -a ANCHOR_ARGS <<< "$args_line"
@@ -46,9 +51,11 @@ for kv in "${ANCHOR_ARGS[@]}"; do
 done
 echo "record settings: ${ANCHOR_ARGS[*]}" | tee "$L/settings.log"
 id=small-gpu-parity
+[[ $VARIANT == base ]] || id+=-$VARIANT
 ours=(python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" --graphs on
       --val-every "$VAL_EVERY" --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ"
-      --runs-dir "$OUT/runs" --no-save-final --log-every 1 ${MAX_STEPS:+--max-steps "$MAX_STEPS"})
+      --runs-dir "$OUT/runs" --no-save-final --log-every 1 ${MAX_STEPS:+--max-steps "$MAX_STEPS"}
+      "${VARIANT_ARGS[@]}")
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
 if [[ "$MODE" == warmup ]]; then
@@ -65,8 +72,11 @@ run_anchor loss $(( $(left) - 40 )) "DATA_DIR=$DATA" VAL_BACKEND=aot_eager "${AN
 timeout -k 15 $(( $(left) - 25 )) "${ours[@]}" --run-id "$id" > "$L/$id.log" 2>&1 &
 wait
 echo "both runs ended after $(elapsed) s" | tee -a "$L/settings.log"
+variant_opt=()
+[[ $VARIANT == base ]] || variant_opt=(--variant "$VARIANT")
 python3 bench/loss_parity.py build --ours "$OUT/runs/$id" --record "$OUT/anchor" --data-dir "$DATA" \
-    --date "$DATE" --out-dir "$OUT" --script "bash scripts/gpu/loss_parity.sh" 2>&1 | tee "$L/loss_parity.log"
+    "${variant_opt[@]}" --date "$DATE" --out-dir "$OUT" \
+    --script "VARIANT=$VARIANT bash scripts/gpu/loss_parity.sh" 2>&1 | tee "$L/loss_parity.log"
 python3 -m track_1_short.report compare --run "ours=$OUT/runs/$id" --record "$OUT/anchor/loss.jsonl" \
     --out "$OUT/compare" 2>&1 | tee -a "$L/loss_parity.log"
 echo "loss_parity.sh: done after $(elapsed) s" | tee -a "$L/loss_parity.log"

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The loss variants: `variant_flags NAME` prints the trainer flags of one variant (after the common
+# ones of the script that runs it). One definition, sourced by scripts/gpu/loss_ablations.sh (each
+# variant against base) and scripts/gpu/loss_parity.sh (VARIANT=NAME: ours with those flags against
+# the record in one command); tests/test_gpu_scripts.py parses and builds every one on the CPU.
+#   base        the defaults (the parity run's configuration)
+#   data_seed1  --data-seed 1: another document order (the noise of one curve)
+#   init_seed1  --seed 1: another init (the noise of one curve)
+#   uniform_o   --set model.attn_out_init=uniform: attention output projections drawn like V (HEAD)
+#   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
+#   dense_wd    dense_ngram with --set model.ngram.weight_decay=0.025: HEAD's bigram Adam also
+#               decays (cautious, lr^2 x 0.005 x wd_mul 5)
+#   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
+#   attn_in7    --set model.attn_input_layer=7: layers 8-10 attend over norm(h_7) (HEAD)
+#   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
+#               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
+#   head_like   all five HEAD-like changes above at once, the n-gram table's decay too
+#   mudd_gates  --set model.mudd.gates=true: per-token x0 / n-gram / skip gates, XSA on 1, 3, 4, 7,
+#               output gates on 3 and 10 (HEAD's MUDD gates)
+#   mudd_conn   --set model.mudd.connections=true: the last layer and the final norm read
+#               per-token amounts of earlier residuals (HEAD's MUDD; the backout is learned)
+#   mudd_dc     mudd_gates with --set model.mudd.dc=true: DC on layer 10 (HEAD's lightweight
+#               dynamically composable attention; in torch ops here)
+#   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
+#               HEAD's model
+#   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
+variant_flags() {
+  case "$1" in
+    base) ;;
+    data_seed1) echo --data-seed 1 ;;
+    init_seed1) echo --seed 1 ;;
+    uniform_o) echo --set model.attn_out_init=uniform ;;
+    dense_ngram) echo --set model.ngram.update=dense ;;
+    dense_wd) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
+    no_trigram) echo --set model.ngram.trigram=false ;;
+    attn_in7) echo --set model.attn_input_layer=7 ;;
+    backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
+    head_like) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
+                    "$(variant_flags attn_in7) $(variant_flags backout7)" ;;
+    mudd_gates) echo --set model.mudd.gates=true ;;
+    mudd_conn) echo --set model.mudd.connections=true ;;
+    mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
+    head_mudd) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
+                    "$(variant_flags attn_in7) $(variant_flags mudd_dc) $(variant_flags mudd_conn)" ;;
+    adamw) echo --optimizer adamw ;;
+    *) echo "loss_variants.sh: unknown variant '$1'" >&2; return 2 ;;
+  esac
+}
