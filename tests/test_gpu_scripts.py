@@ -23,18 +23,27 @@ GPU = Path(__file__).resolve().parents[1] / "scripts" / "gpu"
 SCRIPTS = ("loss_variants.sh", "fp8_step.sh")
 
 
+FUNCTION = {"loss_variants.sh": "loss_variant_flags", "fp8_step.sh": "variant_flags"}
+
+
 def _variants(script: str) -> list[str]:
-    """The case labels of the script's variant_flags function."""
+    """The case labels of the script's flags function."""
     text = (GPU / script).read_text()
-    body = text[text.index("variant_flags() {"):]
+    body = text[text.index(f"\n{FUNCTION[script]}() {{"):]
     body = body[: body.index("\n}\n")]
     return [v for v in re.findall(r"^\s+(\w+)\)", body, flags=re.M)]
 
 
+def _source(script: str) -> str:
+    """bash that defines the script's flags function alone (loss_variants.sh's too, which
+    fp8_step.sh sources for its loss-variant step times)."""
+    return " ".join(f"eval \"$(sed -n '/^{FUNCTION[s]}() {{/,/^}}/p' {shlex.quote(str(GPU / s))})\";"
+                    for s in dict.fromkeys(("loss_variants.sh", script)))
+
+
 def _flags(script: str, variant: str) -> list[str]:
-    """variant_flags VARIANT as the script's bash prints it (the function alone is sourced)."""
-    src = f"eval \"$(sed -n '/^variant_flags() {{/,/^}}/p' {shlex.quote(str(GPU / script))})\"; "
-    out = subprocess.run(["bash", "-c", src + f"variant_flags {variant}"], check=True,
+    """The script's flags function on VARIANT, as bash prints it."""
+    out = subprocess.run(["bash", "-c", f"{_source(script)} {FUNCTION[script]} {variant}"], check=True,
                          capture_output=True, text=True).stdout
     return out.split()
 
@@ -44,7 +53,7 @@ CASES = [(s, v) for s in SCRIPTS for v in _variants(s)]
 
 def test_every_script_has_variants():
     assert {"base", "dense_ngram", "head_like", "head_mudd"} <= set(_variants("loss_variants.sh"))
-    assert {"bf16", "fp8_mlp"} <= set(_variants("fp8_step.sh"))
+    assert {"bf16", "fp8_mlp", "fast", "fast_head_mudd"} <= set(_variants("fp8_step.sh"))
 
 
 @pytest.mark.parametrize("script, variant", CASES, ids=[f"{s}:{v}" for s, v in CASES])
@@ -57,8 +66,8 @@ def test_variant_parses_and_builds(script, variant, tmp_path):
 
 def test_an_unknown_variant_is_refused():
     result = subprocess.run(
-        ["bash", "-c", f"eval \"$(sed -n '/^variant_flags() {{/,/^}}/p' {GPU / 'loss_variants.sh'})\"; "
-         "variant_flags no_such_variant"], capture_output=True, text=True)
+        ["bash", "-c", f"{_source('loss_variants.sh')} loss_variant_flags no_such_variant"],
+        capture_output=True, text=True)
     assert result.returncode == 2 and "unknown variant 'no_such_variant'" in result.stderr
 
 

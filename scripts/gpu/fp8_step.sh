@@ -24,6 +24,11 @@
 #   quack_mlp --set train.mlp_kernel=quack: the MLP's GEMMs from quack-kernels with ReLU^2 and its
 #            derivative in their epilogues (kernels/relu2_mlp.py; the same package carry as fa4)
 #   fa4_quack both
+#   fast     fa4_quack with the fp8 lm head: every kernel change that won at C alone (2026-12-01)
+#   fast_head_mudd  fast with the loss variant head_mudd's flags (scripts/gpu/loss_variants.sh):
+#            the record's architecture, which matched its loss where our default did not; its
+#            step time is the one to hold against the record's
+#   head_mudd the loss variant head_mudd alone (bf16, FlexAttention): what its flags cost
 #   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
 #   dense_ngram --set model.ngram.update=dense --set model.ngram.weight_decay=0.025: the n-gram
@@ -35,6 +40,7 @@
 # and a cut one still leaves its JSON so far. The summary: bench/step_variants.py ->
 # $OUT/step_variants_h200_<date>_<STAGE>.json (every variant against BASELINE, default bf16).
 source scripts/gpu/common.sh  # run from the repo root
+source scripts/gpu/loss_variants.sh  # loss_variant_flags
 DATA=${DATA:-data/embedded-large} STAGE=${STAGE:-C} VARIANTS=${VARIANTS:-bf16 fp8_mlp fp8_all}
 variant_flags() {
   case "$1" in
@@ -47,6 +53,9 @@ variant_flags() {
     fa4) echo --set model.attention_backend=fa4 ;;
     quack_mlp) echo --set train.mlp_kernel=quack ;;
     fa4_quack) echo --set model.attention_backend=fa4 --set train.mlp_kernel=quack ;;
+    fast) echo "$(variant_flags fa4_quack) $(variant_flags fp8_head)" ;;
+    fast_head_mudd) echo "$(variant_flags fast) $(loss_variant_flags head_mudd)" ;;
+    head_mudd) loss_variant_flags head_mudd ;;
     mudd) echo --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true ;;
     dense_ngram) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
     *) echo "fp8_step.sh: unknown variant '$1'" >&2; return 2 ;;
@@ -58,12 +67,12 @@ step_variant() {  # NAME LIMIT_S FLAGS...
   timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
       --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
 }
-if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack|fa4_fp8_head)\  ]]; then  # the package, then its kernels' GPU tests
+if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack|fa4_fp8_head|fast|fast_head_mudd)\  ]]; then  # the package, then its kernels' GPU tests
   use_fa4_packages
   run_gpu_tests "$L/fa4_quack_gpu_tests.log" 240 tests/test_relu2_mlp_gpu.py tests/test_attention_gpu.py \
       -k "fa4 or quack"
 fi
-if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head)\  ]]; then  # the fp8 head loss's GPU tests first
+if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head|fast|fast_head_mudd)\  ]]; then  # the fp8 head loss's GPU tests first
   run_gpu_tests "$L/softcap_ce_fp8_gpu_tests.log" 150 -s tests/test_softcap_ce_fp8_gpu.py
 fi
 run_variants fp8_step 15 90 step_variant || exit 2

@@ -24,7 +24,8 @@
 # 110, docs/results/loss_ablations_embedded-large_2026-12-01/README.md). Each variant gets what
 # is left of the call's deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
-source scripts/gpu/loss_variants.sh  # variant_flags
+source scripts/gpu/loss_variants.sh
+variant_flags() { loss_variant_flags "$@"; }  # run_variants' name for it
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
 RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
 BASE_JSON=${BASE_JSON:-docs/results/loss_ablations_embedded-large_2026-12-01/loss_parity_embedded-large_base_2026-12-01.json}

@@ -36,12 +36,12 @@
 # vs_record.sh and host_bound.sh on the same warm machine, stages A/0 and C/2 are already compiled.
 # Both trainers have time limits (end by DEADLINE_S, 585 s); a cut run still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
-source scripts/gpu/loss_variants.sh  # variant_flags
+source scripts/gpu/loss_variants.sh  # loss_variant_flags
 MODE=${1:-run} VARIANT=${VARIANT:-base}
 DATA=${DATA:-data/embedded-large} VAL_EVERY=${VAL_EVERY:-10}
 DATE=$(date -u +%F)
 case "$MODE" in run|warmup) ;; *) echo "loss_parity.sh: MODE is run or warmup, not '$MODE'" >&2; exit 2 ;; esac
-variant_args=$(variant_flags "$VARIANT") || exit 2
+variant_args=$(loss_variant_flags "$VARIANT") || exit 2
 read -r -a VARIANT_ARGS <<< "$variant_args"
 args_line=$(python3 bench/loss_parity.py anchor-args --preset small-gpu --data-dir "$DATA" \
             --val-every "$VAL_EVERY" 2> "$L/anchor_args.log") || { cat "$L/anchor_args.log" >&2; exit 2; }

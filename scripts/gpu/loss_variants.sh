@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The loss variants: `variant_flags NAME` prints the trainer flags of one variant (after the common
-# ones of the script that runs it). One definition, sourced by scripts/gpu/loss_ablations.sh (each
-# variant against base) and scripts/gpu/loss_parity.sh (VARIANT=NAME: ours with those flags against
-# the record in one command); tests/test_gpu_scripts.py parses and builds every one on the CPU.
+# The loss variants: `loss_variant_flags NAME` prints one variant's trainer flags (after the common
+# ones of the script that runs it); nonzero (2) for an unknown name. One definition, sourced by
+# scripts/gpu/loss_ablations.sh (each variant against base), scripts/gpu/loss_parity.sh
+# (VARIANT=NAME: ours with those flags against the record in one command) and
+# scripts/gpu/fp8_step.sh (the step time of a loss variant); tests/test_gpu_scripts.py parses and
+# builds every one on the CPU.
 #   base        the defaults (the parity run's configuration)
 #   data_seed1  --data-seed 1: another document order (the noise of one curve)
 #   init_seed1  --seed 1: another init (the noise of one curve)
@@ -24,7 +26,7 @@
 #   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
 #               HEAD's model
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
-variant_flags() {
+loss_variant_flags() {
   case "$1" in
     base) ;;
     data_seed1) echo --data-seed 1 ;;
@@ -35,13 +37,15 @@ variant_flags() {
     no_trigram) echo --set model.ngram.trigram=false ;;
     attn_in7) echo --set model.attn_input_layer=7 ;;
     backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
-    head_like) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
-                    "$(variant_flags attn_in7) $(variant_flags backout7)" ;;
+    head_like) echo "$(loss_variant_flags uniform_o) $(loss_variant_flags dense_wd)" \
+                    "$(loss_variant_flags no_trigram) $(loss_variant_flags attn_in7)" \
+                    "$(loss_variant_flags backout7)" ;;
     mudd_gates) echo --set model.mudd.gates=true ;;
     mudd_conn) echo --set model.mudd.connections=true ;;
     mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
-    head_mudd) echo "$(variant_flags uniform_o) $(variant_flags dense_wd) $(variant_flags no_trigram)" \
-                    "$(variant_flags attn_in7) $(variant_flags mudd_dc) $(variant_flags mudd_conn)" ;;
+    head_mudd) echo "$(loss_variant_flags uniform_o) $(loss_variant_flags dense_wd)" \
+                    "$(loss_variant_flags no_trigram) $(loss_variant_flags attn_in7)" \
+                    "$(loss_variant_flags mudd_dc) $(loss_variant_flags mudd_conn)" ;;
     adamw) echo --optimizer adamw ;;
     *) echo "loss_variants.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
