@@ -14,7 +14,9 @@ alone: its key compiles once, the warmup captures and self-checks it, then --ste
 - with --profile (default on CUDA): a torch.profiler window of 2 steps after the timed ones:
   kernel_ms_per_step, device_busy_ms_per_step, gpu_busy (the busy share of the device's timeline
   inside the window, perf/profiling.kernel_stats's busy_fraction), kernels_per_step and
-  top_kernels (the 30 kernel names by time per step: where the GPU time goes);
+  top_kernels (the 30 kernel names by time per step: where the GPU time goes); --trace-dir DIR
+  keeps each variant's chrome trace of that window as DIR/trace_<stage>_<graphs>.json.gz (for
+  chrome://tracing or Perfetto: the gaps between kernels and what the host did meanwhile);
 - peak memory, recompiles during the timed steps (must be 0), the warmup's seconds.
 Deviations from the full schedule, which change no kernel's work: YaRN tables are the base ones
 (the stage's windows are used, its attention scale is not the chained one); the embed/lm_head
@@ -32,6 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,6 +115,14 @@ def phases(times: list[dict], micro_steps: int) -> dict:
             "ngram_update_ms": _stats(by["ngram_update"])}
 
 
+def keep_trace(src: Path, dst: Path) -> None:
+    """Copy the run's trace to dst, whole or not at all (temp name + rename)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f"tmp{os.getpid()}.{dst.name}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 def run_variant(args, graphs: str, runs_dir: Path) -> dict:
     cfg, index = stage_config(args, graphs, runs_dir)
     ctx = init_distributed(600, None)
@@ -124,6 +136,9 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
         common.reset_peak(ctx.device)
         timed_run(run, 0)
         times = [t for t in step_times(run) if t["step"] < args.steps]
+        if args.trace_dir is not None and run.log.profile:
+            keep_trace(pre.run_dir / run.log.profile["trace"], Path(args.trace_dir)
+                       / f"trace_{args.stage}_{graphs}.json.gz")
         if run.progress.loader is not None:
             run.progress.loader.close()
     finally:
@@ -167,6 +182,8 @@ def parse(argv):
     p.add_argument("--micro-steps", type=int, default=None, help="per step (default 8 on 1 GPU)")
     p.add_argument("--data-dir", default="data/embedded")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--trace-dir", default=None, metavar="DIR",
+                   help="keep each variant's profiler trace as DIR/trace_<stage>_<graphs>.json.gz")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a config field, as the trainer's --set (e.g. model.fp8.enabled=true "
                         "--set model.fp8.sites=mlp_up,mlp_down); recorded in the JSON")

@@ -15,6 +15,7 @@ Hardware: CPU; ~30 s on 2 busy cores, plus ~30 s for loss_kernel (marked slow).
 Run: `.venv/bin/python -m pytest tests/test_bench_smoke.py -q`.
 """
 
+import gzip
 import json
 import os
 import subprocess
@@ -126,7 +127,8 @@ def test_step_bench_smoke(tmp_path):
     out = tmp_path / "step.json"
     _run("step.py", "--stage", "B", "--steps", "2", "--graphs", "off",
          "--set", "model.ngram.update=dense", "--set", "model.long_window_layers=1,5",
-         "--data-dir", str(REPO / "data" / "embedded"), "--out", str(out))
+         "--data-dir", str(REPO / "data" / "embedded"), "--profile", "--trace-dir", str(tmp_path / "traces"),
+         "--out", str(out))
     data = json.loads(out.read_text())
     assert data["complete"] and not data["errors"] and set(data["variants"]) == {"off"}
     row = data["variants"]["off"]
@@ -136,6 +138,11 @@ def test_step_bench_smoke(tmp_path):
     assert row["phases_ms"]["optimizer_even_ms"]["n"] == row["phases_ms"]["optimizer_odd_ms"]["n"] == 1
     assert row["host_issue_ms"]["median_ms"] > 0 and row["host_syncs_per_step"] is None  # CPU
     assert row["compiles"].get("timed", 0) == 0
+    # the profiled window: no device on the CPU, so no busy fraction; its trace kept whole
+    assert row["gpu_busy"] is None and row["kernels_per_step"] == 0
+    trace = tmp_path / "traces" / "trace_B_off.json.gz"
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert [p.name for p in trace.parent.iterdir()] == [trace.name]  # no temp file left
 
 
 def test_flops_formula():

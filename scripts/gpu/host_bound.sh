@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Is one rank's step of the 8-GPU run host-bound, and do the step graphs help there? One H200, one
 # device call from the repo root ($OUT: the tool's folder):
-#   bash scripts/gpu/host_bound.sh
+#   bash scripts/gpu/host_bound.sh            (STAGES=C: one stage only; default "A C")
 #   carry [".carry/tiktoken", "data/embedded-large"] (scripts/gpu/prepare_carry.sh fills them; the
 #   carry list of vs_record.sh works too)
 # 1. bench/step.py --stage A, then --stage C: --micro-steps 1 (the per-rank work of 8 GPUs: the least
 #    GPU work per host call), --graphs on,off (each variant a fresh trainer of that stage alone),
-#    20 timed steps + 2 profiled; one after the other (timing);
+#    20 timed steps + 2 profiled (their traces kept in the logs: trace_<stage>_<graphs>.json.gz, where
+#    the gaps between kernels show); one after the other (timing);
 # 2. bench/host_bound.py -> $OUT/host_bound_${MACHINE}_<date>.json; the raw JSON beside it
 #    (host_bound_step_A.json, host_bound_step_C.json), the logs in results.tgz.
 # Estimated wall, one H200: ~270 s with cold caches (per stage: graphs on compiles and captures the
@@ -18,15 +19,18 @@
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} MACHINE=${MACHINE:-h200}
 DATE=$(date -u +%F)
-for stage in A C; do  # A gets half of what is left, C the rest
+STAGES=${STAGES:-A C}  # e.g. STAGES=C (bench/host_bound.py --stages follows)
+for stage in $STAGES; do  # the first of two gets half of what is left, the last the rest
   limit=$(( $(left) - 15 ))
-  [[ $stage == A ]] && limit=$(( limit / 2 ))
+  [[ $stage == "${STAGES%% *}" && $STAGES == *" "* ]] && limit=$(( limit / 2 ))
   timeout -k 10 "$limit" python3 bench/step.py --stage "$stage" --steps 20 --graphs on,off --micro-steps 1 \
-      --data-dir "$DATA" --out "$OUT/host_bound_step_$stage.json" > "$L/host_bound_step_$stage.log" 2>&1
+      --data-dir "$DATA" --trace-dir "$L" --out "$OUT/host_bound_step_$stage.json" \
+      > "$L/host_bound_step_$stage.log" 2>&1
   echo "exit $? after $(elapsed) s (limit $limit s)" >> "$L/host_bound_step_$stage.log"
 done
-python3 bench/host_bound.py --step "$OUT/host_bound_step_A.json" --step "$OUT/host_bound_step_C.json" \
-    --machine "$MACHINE" --date "$DATE" --out-dir "$OUT" --script "bash scripts/gpu/host_bound.sh" \
-    2>&1 | tee "$L/host_bound.log"
+steps=()
+for stage in $STAGES; do steps+=(--step "$OUT/host_bound_step_$stage.json"); done
+python3 bench/host_bound.py "${steps[@]}" --stages "${STAGES// /,}" --machine "$MACHINE" --date "$DATE" \
+    --out-dir "$OUT" --script "STAGES='$STAGES' bash scripts/gpu/host_bound.sh" 2>&1 | tee "$L/host_bound.log"
 echo "host_bound.sh: done after $(elapsed) s" | tee -a "$L/host_bound.log"
 pack_outputs
