@@ -30,7 +30,10 @@ Output (loss_parity_<corpus>[_<variant>]_<date>.json): command {script, builder,
 [variant,] corpus_tokens, val_tokens,
 val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
 token_count_bound}, val [{step, ours, record}] at the steps both validated,
-max_gap_before_repeat, max_gap_step, transitions, complete {ours, record}.
+max_gap_before_repeat, max_gap_step, transitions, complete {ours, record},
+streams_differ_at_step (first_stream_difference: the first step at which the two trainers'
+micro-batches hold different tokens; 0 with our seeded document order, null when every step before
+the data runs out or the schedule ends trains both on the same tokens: data.shuffle false).
 
 transitions: per stage boundary b (the first step of a stage) whose window [b-5, b+5) lies
 before the first repeat, the train objective (the step's loss with its MTP and prefix terms, as
@@ -122,30 +125,72 @@ def bos_index(path: Path) -> tuple[np.ndarray, int]:
     return np.flatnonzero(tokens == BOS_ID), count
 
 
-def record_first_repeat(train_shards: list[Path], steps: list[StageShape],
-                        micro_steps: int = RECORD_MICRO_STEPS) -> int | None:
-    """The first step at which upstream's loader (Shard.next_batch, world size 1, files in sorted
-    order, cycled by the harness) runs out of BOS in the last train shard (None: it never does)."""
+def record_micro_batches(train_shards: list[Path], steps: list[StageShape],
+                         micro_steps: int = RECORD_MICRO_STEPS):
+    """Upstream's loader (Shard.next_batch, world size 1, files in sorted order) walked over the
+    schedule: yields (step, shard path, [(start, end) token spans of the micro-batch's T + 1
+    tokens]) per micro-batch, then (step, None, None) at the first step that runs out of BOS in
+    the last train shard (the harness would then reload the cycled files: repeated data)."""
     files = iter(train_shards)
-    bos, size = bos_index(next(files))
+    path = next(files)
+    bos, size = bos_index(path)
     idx = 0
     for step, s in enumerate(steps):
         for _ in range(micro_steps):
             while True:  # a micro-batch that hits the shard's tail is redone on the next shard
-                cur_len, i = 0, idx
+                cur_len, i, spans = 0, idx, []
                 while cur_len <= s.tokens and i < bos.size:
                     cur = int(bos[i])
                     i += 1
                     end = min(int(bos[i]) if i < bos.size else size, cur + s.max_seq_len,
                               cur + s.tokens - cur_len + 1)
+                    spans.append((cur, end))
                     cur_len += end - cur
                 if cur_len > s.tokens:
                     idx = i
+                    yield step, path, spans
                     break
-                nxt = next(files, None)
-                if nxt is None:
-                    return step
-                (bos, size), idx = bos_index(nxt), 0
+                path = next(files, None)
+                if path is None:
+                    yield step, None, None
+                    return
+                (bos, size), idx = bos_index(path), 0
+
+
+def record_first_repeat(train_shards: list[Path], steps: list[StageShape],
+                        micro_steps: int = RECORD_MICRO_STEPS) -> int | None:
+    """The first step at which upstream's loader runs out of BOS in the last train shard (None:
+    it never does); record_micro_batches."""
+    for step, path, _ in record_micro_batches(train_shards, steps, micro_steps):
+        if path is None:
+            return step
+    return None
+
+
+def first_stream_difference(train_shards: list[Path], seed: int, shuffle: bool,
+                            steps: list[StageShape], slices_per_step: int) -> int | None:
+    """The first step whose micro-batches hold other tokens in our TrainStream than in upstream's
+    loader (None: the same tokens at every step before either runs out of data or the schedule
+    ends). 0 when our documents come in a seeded order (shuffle) or the two take a different
+    number of micro-batches per step; equal streams need file order (data.shuffle false)."""
+    if shuffle or slices_per_step != RECORD_MICRO_STEPS:
+        return 0
+    stream = TrainStream(train_shards, shuffle=False, seed=seed)
+    tokens = {}  # shard path -> memmap of its tokens
+    for step, path, spans in record_micro_batches(train_shards, steps):
+        if path is None:
+            return None
+        s = steps[step]
+        rows = s.tokens + 2  # room for T + 1 one-token documents: never the limit
+        shape = SliceShape(tokens=s.tokens, max_seq_len=s.max_seq_len, cu_seqlens_rows=rows)
+        ours = np.empty(s.tokens + 1, dtype=np.int32)  # [T + 1]
+        stream.next_slice(shape, ours, np.empty(rows, dtype=np.int32))
+        if path not in tokens:
+            tokens[path] = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_BYTES,
+                                     shape=(read_header(path),))
+        record = np.concatenate([tokens[path][a:b] for a, b in spans])
+        if not np.array_equal(ours, record):
+            return step
     return None
 
 
@@ -272,6 +317,8 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
     world = (summary or {}).get("world_size", 1)
     slices = cfg["data"]["slices_per_step"] if micro is None else micro * world
     steps = per_step(shapes)
+    streams_differ_at = first_stream_difference(train, cfg["data"]["seed"], cfg["data"]["shuffle"],
+                                                steps, slices)
     repeats = {"ours": ours_first_repeat(train, cfg["data"]["seed"], cfg["data"]["shuffle"], steps, slices),
                "record": record_first_repeat(train, steps),
                "token_count_bound": token_count_bound(steps, slices, train_tokens)}
@@ -291,6 +338,7 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "record_val_backend": rec_val.get("backend"),
             "boundaries": boundaries(shapes),
             "repeats_at_step": repeat_at, "repeats": repeats,
+            "streams_differ_at_step": streams_differ_at,
             "val": points,
             "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
             "max_gap_step": worst["step"] if worst else None,

@@ -309,6 +309,27 @@ def test_first_repeat_of_each_loader_and_the_token_count_bound(tmp_path):
     assert loss_parity.ours_first_repeat(train, seed=0, shuffle=True, steps=_steps(3), slices_per_step=8) is None
 
 
+def test_file_order_gives_the_records_token_stream_and_a_shard_tail_breaks_it(tmp_path):
+    """Our TrainStream in file order against upstream's loader, token for token: documents of
+    1-150 tokens (some cut at max_seq_len 64, some shorter than one micro-batch's remainder) in one
+    shard give the same micro-batches at every step until the record's loader runs out."""
+    root = tmp_path / "varied"
+    root.mkdir()
+    rng = np.random.default_rng(1)
+    docs = [np.concatenate([[BOS_ID], rng.integers(0, 50000, n - 1)]) for n in rng.integers(1, 150, 400)]
+    write_shard(root / "x_train_000000.bin", np.concatenate(docs))
+    train = [root / "x_train_000000.bin"]
+    steps = _steps(6) + [loss_parity.StageShape("B", 20, 255, 128)] * 20
+    assert loss_parity.record_first_repeat(train, steps) is not None  # the walk reaches the end
+    assert loss_parity.first_stream_difference(train, 0, False, steps, 8) is None
+    assert loss_parity.first_stream_difference(train, 0, True, steps, 8) == 0  # seeded order
+    assert loss_parity.first_stream_difference(train, 0, False, steps, 4) == 0  # other batch
+    # 16 shards of 3 documents: upstream redoes a micro-batch that hits a shard's tail on the next
+    # shard (dropping the tail), ours walks on across shards: different tokens from step 0
+    many = _corpus(tmp_path / "many", [3] * 16)
+    assert loss_parity.first_stream_difference(sorted(many.glob("*_train_*.bin")), 0, False, _steps(3), 8) == 0
+
+
 def _our_run(run_dir: Path, data_dir: Path, val: dict[int, float], stages=((3, 127), (3, 127)),
              summary: bool = True) -> Path:
     run_dir.mkdir(parents=True)

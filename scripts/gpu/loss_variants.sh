@@ -26,6 +26,12 @@
 #   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
 #               HEAD's model
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
+#   file_order  --set data.shuffle=false: the train documents in file order, as the record reads
+#               them: on embedded-large with the small-gpu schedule every micro-batch then holds
+#               the record's tokens up to its first repeat (step 107; checked on the CPU by
+#               bench/loss_parity.first_stream_difference), so a parity run compares models, not
+#               document orders
+#   head_mudd_fo head_mudd in file order: the parity run's candidate
 loss_variant_flags() {
   case "$1" in
     base) ;;
@@ -47,6 +53,8 @@ loss_variant_flags() {
                     "$(loss_variant_flags no_trigram) $(loss_variant_flags attn_in7)" \
                     "$(loss_variant_flags mudd_dc) $(loss_variant_flags mudd_conn)" ;;
     adamw) echo --optimizer adamw ;;
+    file_order) echo --set data.shuffle=false ;;
+    head_mudd_fo) echo "$(loss_variant_flags head_mudd) $(loss_variant_flags file_order)" ;;
     *) echo "loss_variants.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }
