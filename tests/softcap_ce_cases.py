@@ -6,9 +6,11 @@ against model/loss.py's own float32 torch path; N in {1, 2, 3}, T not a multiple
 V not a power of two and not a multiple of BLOCK_V, rows past T - N (tail validity), prefix ids
 mixing -1 and valid ids, zero and nonzero MTP/prefix weights, random upstream gradients, float32
 and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma_exp_passes 0, 1,
-2); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. Each case prints its
-measured errors (run with -s to see them). The interpreter runs the plain-math variant
-(fast_math's inline PTX cannot run there).
+2); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
+(kernels/softcap_ce_fp8.py): against model/fp8.py's slow references, its fullgraph trace, and its
+backward (the gradient quantised by kernels/fp8_quantise.py) bitwise model/fp8.fp8_matmul_grads
+of the logit gradient. Each case prints its measured errors (run with -s to see them). The
+interpreter runs the plain-math variant (fast_math's inline PTX cannot run there).
 
 Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
 set before triton is first imported, and must not leak into other tests, so
@@ -272,3 +274,24 @@ def test_fp8_head_traces_as_one_graph():
                           fn=torch.compile(head, fullgraph=True, dynamic=False, backend="aot_eager"))
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fp8_head_backward_is_fp8_matmuls_backward_of_the_logit_gradient():
+    """The backward's fused quantisation (kernels/fp8_quantise.py) changes nothing: dx and dw are
+    BITWISE model/fp8.fp8_matmul_grads of the graph-code logit gradient dz * g[:, None], from the
+    raw forward op's dz and the same e4m3 operands."""
+    from track_1_short.kernels.softcap_ce_fp8 import softcap_ce_fp8_fwd
+    from track_1_short.model.fp8 import (E5M2, amax_scale, col_major, fp8_matmul_grads,
+                                         quantise_operands, row_major)
+
+    x, w, targets, mtp, pw, prefix, upstream, x_s, w_s = _fp8_case(seed=13)
+    x8, w8 = quantise_operands(x, w, x_s, w_s)
+    _, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp, pw, prefix,
+                               LARGE.block_v, LARGE.num_warps, LARGE.programs_per_sm, False,
+                               LARGE.fma_exp_passes)
+    gz = dz * upstream[:, None]  # [T, V] float32, what the backward quantised before the kernel
+    grad_s = amax_scale(gz, E5M2)
+    dx_ref, dw_ref = fp8_matmul_grads(gz, grad_s, col_major(x8), row_major(w8), x_s, w_s,
+                                      (torch.bfloat16, torch.bfloat16))
+    _, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
+    assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)

@@ -5,11 +5,12 @@ row_major and col_major, opcheck, torch.compile) run in a child pytest process w
 TRITON_INTERPRET=1, which must be set before triton is imported and must not leak into this
 process. Here, without the interpreter: every input error (a ValueError naming the argument),
 QuantiseLaunch validation, the clear error for CPU tensors when the kernel is not interpreted,
-and the fake registration at the stage-C gradient's shape.
+the fake registration at the stage-C gradient's shape, and the fp8 lm-head loss's forward +
+backward on fake tensors at stage C (its backward calls the op).
 Hardware: CPU (needs triton installed; skipped otherwise); the child process ~20 s, the rest < 5 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_fp8_quantise.py -q`.
 
-Legend: R rows, C columns; T tokens, V vocab.
+Legend: R rows, C columns; T tokens, D model dim, V vocab.
 """
 
 import os
@@ -26,11 +27,12 @@ pytest.importorskip("triton")
 
 from track_1_short.kernels import fp8_quantise  # noqa: E402
 from track_1_short.kernels.fp8_quantise import QuantiseLaunch, quantise_both_layouts  # noqa: E402
-from track_1_short.model.fp8 import E4M3, E5M2  # noqa: E402
+from track_1_short.model.fp8 import (E4M3, E5M2, LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE,  # noqa: E402
+                                     LM_HEAD_X_SCALE)
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_CASES = 16  # tests in fp8_quantise_cases.py (parametrizations included)
-T, V = 49152, 50304  # stage C
+T, D, V = 49152, 768, 50304  # stage C
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -100,3 +102,22 @@ def test_fake_registration_gives_both_layouts(dtype):
         assert row.shape == col.shape == (T, V) and row.dtype == col.dtype == dtype
         assert row.stride() == (V, 1) and col.stride() == (1, T) and col.device.type == "cuda"
 
+
+def test_fp8_lm_head_forward_and_backward_on_fake_tensors():
+    """linear_softcap_ce_fp8 at stage C through autograd on fake tensors (CPU fakes: the CPU build
+    has no CUDA autograd): the backward's quantisation is the op's fake kernel, the GEMMs
+    t1s::scaled_mm's; dx, dw come back in x's and w's shapes and dtype."""
+    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
+
+    with FakeTensorMode():
+        x = torch.empty(T, D, dtype=torch.bfloat16).requires_grad_()
+        w = torch.empty(D, V, dtype=torch.bfloat16).requires_grad_()
+        scales = {name: torch.tensor(value) for name, value in
+                  (("x_s", LM_HEAD_X_SCALE), ("w_s", LM_HEAD_W_SCALE), ("grad_s", LM_HEAD_GRAD_SCALE))}
+        loss = linear_softcap_ce_fp8(x, w, torch.zeros(T, dtype=torch.int64), torch.ones(1),
+                                     torch.tensor(0.25), torch.full((T,), -1, dtype=torch.int64),
+                                     **scales)
+        assert loss.shape == (T,) and loss.requires_grad
+        dx, dw = torch.autograd.grad(loss.sum(), (x, w))
+        assert dx.shape == x.shape and dw.shape == w.shape
+        assert dx.dtype == dw.dtype == torch.bfloat16

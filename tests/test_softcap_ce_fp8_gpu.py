@@ -6,14 +6,19 @@ references, and its fullgraph trace) cannot show: cuBLASLt's fp8 GEMMs and the c
 the speedrun's shapes (V = 50,304, D = 768; keys A and C as tests/test_softcap_ce_gpu.py) with the
 lm head's static scales, against the torch path that --fp8 ran before it (model/fp8.fp8_matmul,
 then model/loss.py's softcap and training_loss in bf16 autograd); torch.compile(fullgraph=True)
-and CUDA-graph capture replayed on new inputs equal to eager; no host sync in forward + backward.
-Each test prints its measured errors and, for orientation, the fused fp8 and bf16 heads' forward +
-backward time (CUDA events; the step-level measurement is scripts/gpu/fp8_step.sh).
-Hardware: one CUDA GPU with fp8 tensor cores (capability >= 8.9) and >= 60 GB (H200); ~30 s.
+and CUDA-graph capture replayed on new inputs equal to eager; no host sync in forward + backward;
+the backward's quantisation kernel (kernels/fp8_quantise.py) bitwise equal to its reference at the
+stage-C logit gradient, with the hardware fp8 cast and with the bit rounding the interpreter cases
+run. Each test prints its measured errors and, for orientation, the fused fp8 and bf16 heads'
+forward + backward time and the quantisation kernel's time against the inductor-compiled
+reference (CUDA events; the step-level measurement is scripts/gpu/fp8_step.sh).
+Hardware: one CUDA GPU with fp8 tensor cores (capability >= 8.9) and >= 60 GB (H200); ~40 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest -m gpu tests/test_softcap_ce_fp8_gpu.py -q -s`.
 
 Legend: T tokens, D model dim, V vocab.
 """
+
+import statistics
 
 import pytest
 import torch
@@ -27,10 +32,13 @@ triton = pytest.importorskip("triton")
 
 from tests.cuda_capture import warm_and_capture  # noqa: E402
 from tests.test_softcap_ce_gpu import KEYS, _inputs, rel_err  # noqa: E402
-from track_1_short.kernels.softcap_ce import linear_softcap_ce  # noqa: E402
-from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8  # noqa: E402
-from track_1_short.model.fp8 import (LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE, LM_HEAD_X_SCALE,  # noqa: E402
-                                     fp8_matmul, fp8_unavailable_reason)
+from track_1_short.kernels.fp8_quantise import (QuantiseLaunch, quantise_both_layouts,  # noqa: E402
+                                                quantise_both_layouts_reference)
+from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, linear_softcap_ce  # noqa: E402
+from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8, softcap_ce_fp8_fwd  # noqa: E402
+from track_1_short.model.fp8 import (E5M2, LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE,  # noqa: E402
+                                     LM_HEAD_X_SCALE, col_major, fp8_matmul, fp8_unavailable_reason,
+                                     quantise_operands, row_major)
 from track_1_short.model.loss import softcap, training_loss  # noqa: E402
 
 
@@ -126,3 +134,59 @@ def test_forward_and_backward_do_not_sync_the_host():
         torch.autograd.grad(_fused(x, w, *args[2:]).sum(), (x, w))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _median_ms(fn, reps: int = 20) -> float:
+    """Median of `reps` CUDA-event timings of fn() after one warm call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _mismatches(got, ref) -> list[int]:
+    return [int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, ref)]
+
+
+def test_gradient_quantisation_kernel_equals_the_reference_at_stage_c():
+    """The backward's t1s::fp8_quantise_both_layouts on the stage-C logit gradient (dz bf16
+    [49152, 50304] from the fp8 forward op, a random upstream g [T], the lm head's grad_s):
+    BITWISE model/fp8.py's quantise + row_major + col_major in eager (strides included), with the
+    hardware fp8 cast and with the interpreter's bit rounding. Prints the kernel's time against
+    torch.compile of the reference (the graph code it replaced in the backward; median of 20), and
+    how many bytes the compiled reference's approximate division changes against eager."""
+    x, w, targets, mtp, pw, prefix = _inputs("C", seed=7)
+    scales = _scales()
+    x8, w8 = quantise_operands(x, w, scales["x_s"], scales["w_s"])
+    _, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), scales["x_s"], scales["w_s"], targets, mtp,
+                               pw, prefix, DEFAULT_LAUNCH.block_v, DEFAULT_LAUNCH.num_warps,
+                               DEFAULT_LAUNCH.programs_per_sm, DEFAULT_LAUNCH.fast_math,
+                               DEFAULT_LAUNCH.fma_exp_passes)  # [T, V] bf16
+    del x, w, x8, w8
+    g = torch.randn(dz.shape[0], device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
+    grad_s = scales["grad_s"]
+    ref = quantise_both_layouts_reference(dz, grad_s, E5M2, g)
+    assert ref[0].stride() == (dz.shape[1], 1) and ref[1].stride() == (1, dz.shape[0])
+    bad = {}
+    for hw_cast in (True, False):
+        got = quantise_both_layouts(dz, grad_s, E5M2, g, launch=QuantiseLaunch(hw_cast=hw_cast))
+        assert got[0].stride() == ref[0].stride() and got[1].stride() == ref[1].stride()
+        bad[hw_cast] = _mismatches(got, ref)
+        del got
+    compiled = torch.compile(quantise_both_layouts_reference, fullgraph=True, dynamic=False)
+    compiled_bad = _mismatches(compiled(dz, grad_s, E5M2, g), ref)
+    del ref
+    times = {"kernel": _median_ms(lambda: quantise_both_layouts(dz, grad_s, E5M2, g)),
+             "kernel (bit rounding)": _median_ms(lambda: quantise_both_layouts(
+                 dz, grad_s, E5M2, g, launch=QuantiseLaunch(hw_cast=False))),
+             "compiled reference": _median_ms(lambda: compiled(dz, grad_s, E5M2, g))}
+    print(f"\nstage C gradient quantisation [T, V] = {tuple(dz.shape)}: " + ", ".join(
+        f"{k} {v:.2f} ms" for k, v in times.items()) + f"; bytes differing from eager (row, col): "
+        f"hardware cast {bad[True]}, bit rounding {bad[False]}, compiled reference {compiled_bad}")
+    assert bad[True] == [0, 0] and bad[False] == [0, 0]

@@ -15,14 +15,20 @@ How it works (one definition for eager, torch.compile and CUDA-graph capture; sh
               t1s::softcap_ce_fp8_fwd: z = _scaled_mm(x8, w8) * x_s * w_s -> bf16 [T, V]
                 (fast accumulation), then kernels/softcap_ce.py's kernel: loss [T] and dz
                 (dloss/dz for a unit upstream gradient) written over z
-    backward  upstream g [T]: gz = g[:, None] * dz, g8 = q5(gz / grad_s)      (e5m2; graph code)
+    backward  upstream g [T]: g8 = q5(dz * g[:, None] / grad_s) [T, V]             (e5m2)
+                t1s::fp8_quantise_both_layouts (kernels/fp8_quantise.py): one Triton kernel
+                writes g8 row-major and column-major; no float32 [T, V] gz is materialised
               dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
               dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
-The backward is model/fp8.fp8_matmul_grads (fp8_matmul's) applied to gz: the same quantisation,
-the same layouts (g8 in both, x8 column-major, w8 row-major), exact accumulation; so an fp8 lm
-head trains on the same gradient as the torch loss would give it, up to the bf16 rounding of dz
-(as in the bf16 fused op). Unlike the record's backward, which ignores grad_output, g is applied
-exactly; scaling the rows before quantising keeps one g8 for both GEMMs.
+The backward is fp8_matmul's: the kernel's g8 is bitwise model/fp8.quantise(dz * g[:, None],
+grad_s, E5M2) in the layouts fp8_matmul_grads makes of it, and the GEMMs are
+model/fp8.fp8_grads_from_quantised (x8 column-major, w8 row-major, exact accumulation); so an
+fp8 lm head trains on the same gradient as the torch loss would give it, up to the bf16 rounding
+of dz (as in the bf16 fused op). Unlike the record's backward, which ignores grad_output, g is
+applied exactly; scaling the rows before quantising keeps one g8 for both GEMMs. (Before the
+kernel, inductor fused gz, its quantisation and both layouts into one pointwise kernel with one
+transposed write: 4.5 ms per stage-C micro-step on one H200; the kernel's time: not measured yet,
+expected ~2.5-3 ms; kernels/fp8_quantise.py.)
 
 Scales: the lm head's static ones (Fp8Matmuls.lm_head_{x,w,grad}_scale, facts 1.7: 100/448,
 1.6/448, 0.75/448), passed as their buffers (nothing writes them during a step).
@@ -33,9 +39,15 @@ the Triton interpreter; tests/test_softcap_ce_gpu.py on the H200).
 
 Registration: t1s::softcap_ce_fp8_fwd is a custom op with a fake kernel and
 torch.Tag.needs_exact_strides (x8 row-major, w8 column-major: model/fp8.py's layout rules), no
-autograd of its own; `_Fp8SoftcapCE` is an autograd.Function that dynamo traces, so the
-quantisations are graph code inductor fuses and the backward's GEMMs are t1s::scaled_mm calls.
-T, D and V must be multiples of 16 (torch._scaled_mm).
+autograd of its own; `_Fp8SoftcapCE` is an autograd.Function that dynamo traces, so the forward's
+quantisations are graph code inductor fuses, the gradient's is the t1s::fp8_quantise_both_layouts
+extern call and the backward's GEMMs are t1s::scaled_mm calls. T, D and V must be multiples of 16
+(torch._scaled_mm).
+
+CPU: both Triton kernels (the loss's and the gradient's quantisation) run on CPU tensors only in
+the Triton interpreter (tests/softcap_ce_cases.py); otherwise the forward is already a ValueError
+(kernels/softcap_ce.py), so the backward takes the same kernel path on every device. On fake
+tensors (tracing on the CPU machine) the ops' fake kernels run.
 """
 
 from __future__ import annotations
@@ -43,10 +55,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from track_1_short.kernels.fp8_quantise import quantise_both_layouts
 from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, LaunchConfig, _check_inputs,
                                               softcap_ce_rows_)
-from track_1_short.model.fp8 import (check_fp8_dims, col_major, fp8_matmul_grads, quantise_operands,
-                                     row_major, scaled_mm_body)
+from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_from_quantised,
+                                     quantise_operands, row_major, scaled_mm_body)
 
 
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -91,8 +104,10 @@ class _Fp8SoftcapCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor):
         x8_col, w8_row, x_s, w_s, grad_s, dz = ctx.saved_tensors  # [T, D], [D, V], ..., [T, V]
-        dx, dw = fp8_matmul_grads(dz * g.float()[:, None], grad_s, x8_col, w8_row, x_s, w_s,
-                                  ctx.dtypes)  # the logit gradient gz [T, V] through both GEMMs
+        # the logit gradient dz * g[:, None] quantised, [T, V] row- and column-major
+        g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float())
+        dx, dw = fp8_grads_from_quantised(g8_row, g8_col, grad_s, x8_col, w8_row, x_s, w_s,
+                                          ctx.dtypes)
         return dx, dw, *([None] * 12)
 
 

@@ -50,9 +50,11 @@ both dims of the second operand multiples of 16. Hence T, K and N must all be mu
     grad_x   row_major(g8) [T, N]      @ row_major(w8).t() [N, K]   (column-major)
     grad_w   col_major(x8).t() [K, T]  @ col_major(g8) [T, N]        (row-major @ column-major)
 so x8, w8 and g8 each exist in both layouts (two fp8 writes of each: the quantising kernel writes
-one, a Triton transpose or the same kernel the other); the forward saves col_major(x8) and
-row_major(w8) for the backward. A layout is a copy only when the tensor is not already in it (the
-MLP up weight arrives as the column-major view c_fc.t() [D, F]; quantise keeps strides).
+one, a Triton transpose or the same kernel the other; the fp8 lm-head loss quantises its g8 into
+both layouts with kernels/fp8_quantise.py and calls fp8_grads_from_quantised); the forward saves
+col_major(x8) and row_major(w8) for the backward. A layout is a copy only when the tensor is not
+already in it (the MLP up weight arrives as the column-major view c_fc.t() [D, F]; quantise keeps
+strides).
 t1s::scaled_mm carries torch.Tag.needs_exact_strides, so inductor hands the op those strides, and
 its body raises (ValueError naming the operand) instead of copying when a layout is wrong.
 (`.clone(memory_format=torch.contiguous_format)` rather than `.contiguous()`: the latter fails on
@@ -119,7 +121,8 @@ Deviations from HEAD:
   self-check re-runs); bootstrap counts forward calls, not steps (the same on 8 GPUs, where HEAD
   has no gradient accumulation); no cached transposed fp8 W2.
 - Quantisation and the transposed layouts are inductor-generated kernels from traced code
-  instead of HEAD's hand-written fused Triton quantise+transpose kernels.
+  instead of HEAD's hand-written fused Triton quantise+transpose kernels (except the fused fp8
+  lm-head loss's gradient: kernels/fp8_quantise.py).
 - lm head grad_s = 0.75/448 without HEAD's grad_scale (= 1/grad_accum) factor: on one GPU the
   trainer's 1/micro_steps loss scale shifts the gradients 3 octaves down inside e5m2's range
   (normals from 2^-14) instead of rescaling them.
@@ -303,13 +306,24 @@ def quantise_operands(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> tuple[T
 def fp8_matmul_grads(g: Tensor, g_s: Tensor, x8_col: Tensor, w8_row: Tensor, x_s: Tensor,
                      w_s: Tensor, dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor, Tensor]:
     """The backward of x [T, K] @ w [K, N] in fp8 from the output gradient g [T, N]: g quantised
-    to e5m2 by g_s, then grad_x = g8 @ w8^T and grad_w = x8^T @ g8 (float32), cast to `dtypes`
-    (x's, w's). x8_col / w8_row: the forward's operands, column- / row-major. One definition for
-    fp8_matmul and the fp8 lm-head loss (kernels/softcap_ce_fp8.py)."""
+    to e5m2 by g_s (traced code), then fp8_grads_from_quantised. x8_col / w8_row: the forward's
+    operands, column- / row-major. fp8_matmul's backward."""
     g8 = quantise(g, g_s, E5M2)  # [T, N]
+    return fp8_grads_from_quantised(row_major(g8), col_major(g8), g_s, x8_col, w8_row, x_s, w_s, dtypes)
+
+
+def fp8_grads_from_quantised(g8_row: Tensor, g8_col: Tensor, g_s: Tensor, x8_col: Tensor,
+                             w8_row: Tensor, x_s: Tensor, w_s: Tensor,
+                             dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[Tensor, Tensor]:
+    """The backward GEMMs of x [T, K] @ w [K, N] in fp8 from the e5m2 output gradient g8 [T, N]
+    (dequantisation scale g_s) in both layouts, g8_row row-major and g8_col column-major:
+    grad_x = g8 @ w8^T and grad_w = x8^T @ g8 (float32), cast to `dtypes` (x's, w's). x8_col /
+    w8_row: the forward's operands, column- / row-major. One definition for fp8_matmul (through
+    fp8_matmul_grads) and the fp8 lm-head loss (kernels/softcap_ce_fp8.py, whose g8 comes from a
+    kernel writing both layouts)."""
     # HEAD's choice: exact (non-fast) accumulation for both gradient GEMMs
-    grad_x = scaled_mm(row_major(g8), w8_row.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
-    grad_w = scaled_mm(x8_col.t(), col_major(g8), x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
+    grad_x = scaled_mm(g8_row, w8_row.t(), g_s, w_s, torch.bfloat16, False)  # [T, N] @ [N, K]
+    grad_w = scaled_mm(x8_col.t(), g8_col, x_s, g_s, torch.float32, False)  # [K, T] @ [T, N]
     return grad_x.to(dtypes[0]), grad_w.to(dtypes[1])
 
 
