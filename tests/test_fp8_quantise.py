@@ -13,11 +13,6 @@ Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_fp8_quantise.py -q`.
 Legend: R rows, C columns; T tokens, D model dim, V vocab.
 """
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,24 +20,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytest.importorskip("triton")
 
+from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import fp8_quantise  # noqa: E402
 from track_1_short.kernels.fp8_quantise import QuantiseLaunch, quantise_both_layouts  # noqa: E402
 from track_1_short.model.fp8 import (E4M3, E5M2, LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE,  # noqa: E402
                                      LM_HEAD_X_SCALE)
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_CASES = 16  # tests in fp8_quantise_cases.py (parametrizations included)
 T, D, V = 49152, 768, 50304  # stage C
 
 
 def test_kernel_cases_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/fp8_quantise_cases.py"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, out
-    assert re.search(rf"\b{NUM_CASES} passed\b", proc.stdout), out
+    run_interpreter_cases("fp8_quantise_cases.py", NUM_CASES)
 
 
 def _call(t=None, scale=None, dtype=E5M2, row_mul=None):

@@ -8,34 +8,23 @@ Hardware: CPU (needs triton installed; skipped otherwise); ~20 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_ngram_adam.py -q`.
 """
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import ngram_adam  # noqa: E402
 from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
 from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
 from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_CASES = 8  # tests in ngram_adam_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/ngram_adam_cases.py"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, out
-    assert re.search(rf"\b{NUM_CASES} passed\b", proc.stdout), out
+    run_interpreter_cases("ngram_adam_cases.py", NUM_CASES)
 
 
 def test_cpu_store_runs_the_reference_and_a_cpu_kernel_call_is_an_error():

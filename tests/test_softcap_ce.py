@@ -6,18 +6,13 @@ pytest process with TRITON_INTERPRET=1, which must be set before triton is impor
 leak into this process. Here, without the interpreter: the fake (meta) registration at the
 speedrun's shapes, every input error, LaunchConfig validation, and the clear error for CPU
 tensors when the kernel is not interpreted.
-Hardware: CPU (needs triton installed; skipped otherwise); the child process ~2 min on 2 busy
-cores (marked slow), the rest < 5 s.
+Hardware: CPU (needs triton installed; skipped otherwise); the child process ~1.5-2 min on 2 busy
+cores (in the default run), the rest < 5 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_softcap_ce.py -q`.
 
 Legend: T tokens, D model dim, V vocab, N MTP targets.
 """
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,21 +20,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytest.importorskip("triton")
 
+from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce import LaunchConfig, linear_softcap_ce  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 NUM_CASES = 16  # tests in softcap_ce_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                           "tests/softcap_ce_cases.py"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=900)
-    out = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, out
-    assert re.search(rf"\b{NUM_CASES} passed\b", proc.stdout), out
+    run_interpreter_cases("softcap_ce_cases.py", NUM_CASES, timeout_s=900, show_output=True)
 
 
 def _args(t=49152, d=768, v=50304, n=3, device="cuda", dtype=torch.bfloat16):
