@@ -93,19 +93,19 @@ pack_outputs() {
   ls -la "$OUT"
 }
 
-# `run_variants TAG MARGIN_S MIN_S RUNNER`: every name in $VARIANTS is first checked with the
-# caller's `variant_flags NAME` (prints the name's flags; nonzero for an unknown name: return 2),
+# `run_variants TAG MARGIN_S MIN_S RUNNER FLAGS_FN`: every name in $VARIANTS is first checked with
+# the caller's `FLAGS_FN NAME` (prints the name's flags; nonzero for an unknown name: return 2),
 # then, one after the other, `RUNNER NAME LIMIT_S FLAGS...` with LIMIT_S the seconds left to the
 # deadline less MARGIN_S (a variant with MIN_S or less left is skipped); a line per variant with
 # RUNNER's exit status in $L/TAG.log.
 run_variants() {
-  local tag=${1:?usage: run_variants TAG MARGIN_S MIN_S RUNNER} margin=${2:?} min=${3:?} runner=${4:?}
-  local v limit rc extra
-  for v in $VARIANTS; do variant_flags "$v" > /dev/null || return 2; done
+  local tag=${1:?usage: run_variants TAG MARGIN_S MIN_S RUNNER FLAGS_FN} margin=${2:?} min=${3:?}
+  local runner=${4:?} flags_fn=${5:?} v limit rc extra
+  for v in $VARIANTS; do "$flags_fn" "$v" > /dev/null || return 2; done
   for v in $VARIANTS; do
     limit=$(( $(left) - margin ))
     (( limit > min )) || { echo "skipped $v: $limit s left" | tee -a "$L/$tag.log"; continue; }
-    read -r -a extra <<< "$(variant_flags "$v")"
+    read -r -a extra <<< "$("$flags_fn" "$v")"
     "$runner" "$v" "$limit" "${extra[@]}"
     rc=$?
     echo "$v: exit $rc after $(elapsed) s (limit $limit s; flags: ${extra[*]:-none})" | tee -a "$L/$tag.log"

@@ -75,7 +75,7 @@ fi
 if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head|fast|fast_head_mudd)\  ]]; then  # the fp8 head loss's GPU tests first
   run_gpu_tests "$L/softcap_ce_fp8_gpu_tests.log" 150 -s tests/test_softcap_ce_fp8_gpu.py
 fi
-run_variants fp8_step 15 90 step_variant || exit 2
+run_variants fp8_step 15 90 step_variant variant_flags || exit 2
 # one JSON of every variant against BASELINE (default bf16, when it ran in this call)
 BASELINE=${BASELINE:-bf16}
 python3 bench/step_variants.py "$OUT"/step_"${STAGE}"_*.json --baseline "$BASELINE" --out-dir "$OUT" \

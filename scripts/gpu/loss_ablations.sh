@@ -24,8 +24,7 @@
 # 110, docs/results/loss_ablations_embedded-large_2026-12-01/README.md). Each variant gets what
 # is left of the call's deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
 source scripts/gpu/common.sh  # run from the repo root
-source scripts/gpu/loss_variants.sh
-variant_flags() { loss_variant_flags "$@"; }  # run_variants' name for it
+source scripts/gpu/loss_variants.sh  # loss_variant_flags
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
 RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
 BASE_JSON=${BASE_JSON:-docs/results/loss_ablations_embedded-large_2026-12-01/loss_parity_embedded-large_base_2026-12-01.json}
@@ -44,7 +43,7 @@ train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with th
       2>&1 | tee -a "$L/ablations.log"
   return $rc
 }
-run_variants ablations 25 60 train_variant || exit 2
+run_variants ablations 25 60 train_variant loss_variant_flags || exit 2
 python3 - "$OUT" "$BASE_JSON" <<'EOF' 2>&1 | tee -a "$L/ablations.log"
 import json, pathlib, sys
 runs = {d.get("variant", p.stem): d for p in sorted(pathlib.Path(sys.argv[1]).glob("loss_parity_*_*_*.json"))
