@@ -167,15 +167,15 @@ def record_first_repeat(train_shards: list[Path], steps: list[StageShape],
     return None
 
 
-def first_stream_difference(train_shards: list[Path], seed: int, shuffle: bool,
-                            steps: list[StageShape], slices_per_step: int) -> int | None:
+def first_stream_difference(train_shards: list[Path], shuffle: bool, steps: list[StageShape],
+                            slices_per_step: int) -> int | None:
     """The first step whose micro-batches hold other tokens in our TrainStream than in upstream's
     loader (None: the same tokens at every step before either runs out of data or the schedule
     ends). 0 when our documents come in a seeded order (shuffle) or the two take a different
     number of micro-batches per step; equal streams need file order (data.shuffle false)."""
     if shuffle or slices_per_step != RECORD_MICRO_STEPS:
         return 0
-    stream = TrainStream(train_shards, shuffle=False, seed=seed)
+    stream = TrainStream(train_shards, shuffle=False)
     tokens = {}  # shard path -> memmap of its tokens
     for step, path, spans in record_micro_batches(train_shards, steps):
         if path is None:
@@ -317,8 +317,7 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
     world = (summary or {}).get("world_size", 1)
     slices = cfg["data"]["slices_per_step"] if micro is None else micro * world
     steps = per_step(shapes)
-    streams_differ_at = first_stream_difference(train, cfg["data"]["seed"], cfg["data"]["shuffle"],
-                                                steps, slices)
+    streams_differ_at = first_stream_difference(train, cfg["data"]["shuffle"], steps, slices)
     repeats = {"ours": ours_first_repeat(train, cfg["data"]["seed"], cfg["data"]["shuffle"], steps, slices),
                "record": record_first_repeat(train, steps),
                "token_count_bound": token_count_bound(steps, slices, train_tokens)}

@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -47,6 +45,7 @@ import torch
 from bench import common
 from bench import model as model_bench
 from track_1_short import config as config_mod
+from track_1_short.atomic_io import copy_file_atomic
 from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.schedule import SPEEDRUN_STAGES
@@ -115,14 +114,6 @@ def phases(times: list[dict], micro_steps: int) -> dict:
             "ngram_update_ms": _stats(by["ngram_update"])}
 
 
-def keep_trace(src: Path, dst: Path) -> None:
-    """Copy the run's trace to dst, whole or not at all (temp name + rename)."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"tmp{os.getpid()}.{dst.name}")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def run_variant(args, graphs: str, runs_dir: Path) -> dict:
     cfg, index = stage_config(args, graphs, runs_dir)
     ctx = init_distributed(600, None)
@@ -137,8 +128,8 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
         timed_run(run, 0)
         times = [t for t in step_times(run) if t["step"] < args.steps]
         if args.trace_dir is not None and run.log.profile:
-            keep_trace(pre.run_dir / run.log.profile["trace"], Path(args.trace_dir)
-                       / f"trace_{args.stage}_{graphs}.json.gz")
+            copy_file_atomic(pre.run_dir / run.log.profile["trace"], Path(args.trace_dir)
+                             / f"trace_{args.stage}_{graphs}.json.gz")
         if run.progress.loader is not None:
             run.progress.loader.close()
     finally:

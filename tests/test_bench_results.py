@@ -321,13 +321,13 @@ def test_file_order_gives_the_records_token_stream_and_a_shard_tail_breaks_it(tm
     train = [root / "x_train_000000.bin"]
     steps = _steps(6) + [loss_parity.StageShape("B", 20, 255, 128)] * 20
     assert loss_parity.record_first_repeat(train, steps) is not None  # the walk reaches the end
-    assert loss_parity.first_stream_difference(train, 0, False, steps, 8) is None
-    assert loss_parity.first_stream_difference(train, 0, True, steps, 8) == 0  # seeded order
-    assert loss_parity.first_stream_difference(train, 0, False, steps, 4) == 0  # other batch
+    assert loss_parity.first_stream_difference(train, False, steps, 8) is None
+    assert loss_parity.first_stream_difference(train, True, steps, 8) == 0  # seeded order
+    assert loss_parity.first_stream_difference(train, False, steps, 4) == 0  # other batch
     # 16 shards of 3 documents: upstream redoes a micro-batch that hits a shard's tail on the next
     # shard (dropping the tail), ours walks on across shards: different tokens from step 0
     many = _corpus(tmp_path / "many", [3] * 16)
-    assert loss_parity.first_stream_difference(sorted(many.glob("*_train_*.bin")), 0, False, _steps(3), 8) == 0
+    assert loss_parity.first_stream_difference(sorted(many.glob("*_train_*.bin")), False, _steps(3), 8) == 0
 
 
 def _our_run(run_dir: Path, data_dir: Path, val: dict[int, float], stages=((3, 127), (3, 127)),

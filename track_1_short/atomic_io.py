@@ -1,10 +1,12 @@
 """Atomic file writes shared by the run report (report.py), the profiler (perf/profiling.py) and
-the benches: a reader never sees a half-written file (temp file in the same folder + os.replace).
+the benches (bench/step.py keeps profiler traces with copy_file_atomic): a reader never sees a
+half-written file (temp file in the same folder + os.replace).
 Torch-free; imports nothing of the package.
 """
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 
@@ -14,3 +16,11 @@ def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def copy_file_atomic(src: Path, dst: Path) -> None:
+    """Copy src to dst through a temp file and a rename: dst is whole or absent."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
