@@ -9,8 +9,9 @@ largest. Correctness: tests/test_fp8_gpu.py (each site vs the reference and bf16
 shapes, compiled vs eager, captured and replayed, the delayed MLP-down scales under capture, tiny
 GPT fp8 vs bf16). Speed: 0.979x of bf16 at key A, forward + backward per micro-step on one H200
 (30.41 vs 31.07 ms; bench/model.py, docs/results/model_fp8_layouts_h200_A.json; the two earlier
-designs and their numbers are in docs/LOG.md, 2026-11-30). Key C and the effect on loss over a run
-are not measured (TODO(model owner)), so Fp8Config.enabled defaults to False.
+designs and their numbers are in docs/LOG.md, 2026-11-30); the training step at key C 0.947x of
+bf16 with every site fp8 (docs/results/step_variants_h200_2026-12-01_fp8_C.json). The effect on
+loss over a run is not measured (TODO(model owner)), so Fp8Config.enabled defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
