@@ -43,6 +43,12 @@ def stand_in(monkeypatch):
     return fake
 
 
+def _fused_matmuls() -> PlainMatmuls:
+    matmuls = PlainMatmuls()
+    matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)
+    return matmuls
+
+
 def _operands(t=24, d=16, f=40, seed=0):
     g = torch.Generator().manual_seed(seed)
     x, w_up, w_down = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((t, d), (f, d), (f, d)))
@@ -52,7 +58,7 @@ def _operands(t=24, d=16, f=40, seed=0):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_equals_the_reference_with_gradients(stand_in, compiled):
     x, w_up, w_down = _operands()
-    fused = relu2_mlp.QuackRelu2Matmuls().relu2_mlp
+    fused = _fused_matmuls().relu2_mlp
     run = torch.compile(fused, fullgraph=True, dynamic=False, backend="aot_eager") if compiled else fused
     results = []
     for fn in (run, PlainMatmuls().relu2_mlp):
@@ -76,7 +82,7 @@ def test_the_whole_model_equals_the_torch_mlp(stand_in):
     for fused in (False, True):
         model = _model()
         if fused:
-            model.matmuls = relu2_mlp.QuackRelu2Matmuls()
+            model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)
         loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0, 0.5])).sum()
         loss.backward()
         losses.append(loss.detach())
@@ -99,3 +105,30 @@ def test_refused_where_it_cannot_run(tmp_path):
     cfg = config.parse(["--preset", "small-gpu", "--data-dir", str(tmp_path), "--mlp-kernel", "quack",
                         "--fp8", "--set", "model.fp8.sites=lm_head"])
     assert cfg.train.mlp_kernel == "quack"
+
+
+def test_installed_inside_the_fp8_strategy_keeping_its_lm_head(stand_in, monkeypatch):
+    """--mlp-kernel quack with fp8 on the lm head alone: the install keeps the installed
+    Fp8Matmuls (whose lm-head scales the fused fp8 loss reads) and only the MLP becomes quack's.
+    (The install used to replace the strategy, so the lm head silently ran bf16: seen in the
+    H200 kernel list of 2026-12-02, docs/results/README.md.) Fp8 MLP sites refuse a fused MLP."""
+    from track_1_short.model.fp8 import Fp8Matmuls
+    from track_1_short.model.fp8_config import Fp8Config
+    from track_1_short.trainer import build
+
+    monkeypatch.setattr(relu2_mlp, "quack_unavailable_reason", lambda device: None)
+    model = _model()
+    layers = model.config.num_layers
+    model.config.fp8 = Fp8Config(enabled=True, sites=("lm_head",))
+    fp8 = Fp8Matmuls(model.config.fp8, num_layers=layers)
+    model.matmuls = fp8
+    build._install_mlp_kernel(model, torch.device("cpu"), "quack")
+    assert model.matmuls is fp8 and build._fp8_sites(model) == ("lm_head",)
+    assert "quack" in build.describe_strategies(model) and "fp8 (lm_head)" in build.describe_strategies(model)
+    x, w_up, w_down = _operands()
+    y = model.matmuls.relu2_mlp(x, w_up, w_down, layer=0)
+    assert stand_in.calls == [("gemm_act", "relu_sq", True)]
+    assert torch.allclose(y, PlainMatmuls().relu2_mlp(x, w_up, w_down, layer=0))
+    with pytest.raises(ValueError, match=r"cannot take the fp8 sites \['mlp_down', 'mlp_up'\]"):
+        Fp8Matmuls(Fp8Config(enabled=True), num_layers=layers).use_fused_mlp(
+            relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)

@@ -23,12 +23,14 @@ T, D, F = 4096, 768, 3072
 
 
 def _strategy():
-    from track_1_short.kernels.relu2_mlp import QuackRelu2Matmuls, quack_unavailable_reason
+    from track_1_short.kernels.relu2_mlp import QUACK_MLP_LABEL, quack_relu2_mlp, quack_unavailable_reason
 
     reason = quack_unavailable_reason(torch.device("cuda"))
     if reason is not None:
         pytest.skip(f"quack MLP: {reason}")
-    return QuackRelu2Matmuls()
+    matmuls = PlainMatmuls()
+    matmuls.use_fused_mlp(quack_relu2_mlp, QUACK_MLP_LABEL)
+    return matmuls
 
 
 def _operands(seed):

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor
 
 from track_1_short.model.attention_fa4 import cute_dsl_unavailable_reason
-from track_1_short.model.fp8 import PlainMatmuls
 
 QUACK_HINT = ("pip install quack-kernels (with nvidia-cutlass-dsl-libs-cu13 for CUDA 13); on a host "
               "without a registry: scripts/gpu/fa4_wheels.sh here, fa4_install.sh there, then "
@@ -44,8 +43,8 @@ _lib = None  # quack.gemm_interface once imported (the CPU tests set a stand-in)
 
 
 def _quack():
-    """quack.gemm_interface, or ImportError naming the package (imported once; QuackRelu2Matmuls
-    imports it at install, so a missing package fails there, naming it)."""
+    """quack.gemm_interface, or ImportError naming the package (imported once;
+    quack_unavailable_reason calls it, so the trainer's install fails there, naming the package)."""
     global _lib
     if _lib is None:
         try:
@@ -105,15 +104,12 @@ class _Relu2Mlp(torch.autograd.Function):
         return dx, dw_up, dw_down
 
 
-class QuackRelu2Matmuls(PlainMatmuls):
-    """The training forward's matmul strategy with the fused MLP (plain matmuls elsewhere).
-    Installed by the trainer as GPT.matmuls (trainer/build.py); eval keeps PlainMatmuls."""
+QUACK_MLP_LABEL = "quack GEMMs with ReLU^2 in the epilogues (kernels/relu2_mlp.py)"
 
-    mlp_label = "quack GEMMs with ReLU^2 in the epilogues (kernels/relu2_mlp.py)"
 
-    def __init__(self):
-        super().__init__()
-        _quack()  # fail at install, naming the package, not in the first traced forward
-
-    def relu2_mlp(self, x: Tensor, w_up: Tensor, w_down: Tensor, layer: int) -> Tensor:
-        return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous())
+def quack_relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """The fused MLP: x [T, D], w_up [F, D], w_down [F, D] -> [T, D], with autograd; the math of
+    PlainMatmuls.relu2_mlp. The trainer gives it to the installed matmul strategy
+    (`matmuls.use_fused_mlp(quack_relu2_mlp, QUACK_MLP_LABEL)`, trainer/build.py), so the lm
+    head keeps that strategy's matmul (e.g. fp8); eval keeps PlainMatmuls."""
+    return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous())

@@ -132,6 +132,7 @@ Legend: T tokens, K inner dim, N output dim, D model dim, F MLP hidden.
 """
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -401,11 +402,24 @@ class DelayedScales(nn.Module):
         self.bootstrap_left.fill_(self.bootstrap_steps)
 
 
+FusedMlp = Callable[[Tensor, Tensor, Tensor], Tensor]  # (x [T, D], w_up [F, D], w_down [F, D]) -> [T, D]
+
+
 class PlainMatmuls(nn.Module):
     """The default matmul strategy of GPT's training forward (and always of eval): x @ w in x's
-    dtype at every call site. No buffers. The trainer installs Fp8Matmuls instead (--fp8)."""
+    dtype at every call site. No buffers. The trainer installs Fp8Matmuls instead (--fp8), and
+    may give either one a fused MLP (`use_fused_mlp`, e.g. kernels/relu2_mlp.py's), which then
+    replaces the two MLP call sites while every other site keeps this strategy's matmul."""
 
-    mlp_label: str | None = None  # a fused MLP strategy names itself here (the trainer's log line)
+    def __init__(self):
+        super().__init__()
+        self.fused_mlp: FusedMlp | None = None
+        self.mlp_label: str | None = None  # the fused MLP's name (the trainer's log line)
+
+    def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
+        """`fn` computes relu2_mlp from now on (the same math, checked against the reference
+        below by its own tests); `label` names it in the run log."""
+        self.fused_mlp, self.mlp_label = fn, label
 
     def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
         """x [T, K] @ w [K, N] -> [T, N] in x's dtype (`which`, `layer` name the call site)."""
@@ -413,9 +427,11 @@ class PlainMatmuls(nn.Module):
 
     def relu2_mlp(self, x: Tensor, w_up: Tensor, w_down: Tensor, layer: int) -> Tensor:
         """The MLP: relu(x @ w_up^T)^2 @ w_down, x [T, D], w_up [F, D] (out x in), w_down [F, D]
-        (in x out) -> [T, D]; through `matmul` per call site (mlp_up, then mlp_down of `layer`).
-        The one definition of the MLP's math: kernels/relu2_mlp.py's fused strategy is checked
-        against it."""
+        (in x out) -> [T, D]; the fused MLP where one is set, else through `matmul` per call
+        site (mlp_up, then mlp_down of `layer`). The one definition of the MLP's math:
+        kernels/relu2_mlp.py's fused MLP is checked against it."""
+        if self.fused_mlp is not None:
+            return self.fused_mlp(x, w_up, w_down)
         up = self.matmul(x, w_up.t(), "mlp_up")  # [T, F]
         return self.matmul(torch.relu(up).square(), w_down, "mlp_down", layer=layer)
 
@@ -470,6 +486,15 @@ class Fp8Matmuls(PlainMatmuls):
         else:
             out = fp8_matmul(x, w, *self.mlp_down[layer].scales(x, w), None)
         return out.to(x.dtype)
+
+    def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
+        """As PlainMatmuls', for a config whose fp8 sites leave the MLP out (the lm head alone):
+        a fused MLP would silently drop fp8 MLP sites, so those are refused."""
+        fp8_mlp = sorted({"mlp_up", "mlp_down"} & set(self.cfg.sites)) if self.cfg.enabled else []
+        if fp8_mlp:
+            raise ValueError(f"a fused MLP ({label}) runs the MLP in bf16: it cannot take the fp8 "
+                             f"sites {fp8_mlp} (model.fp8.sites); drop one of the two")
+        super().use_fused_mlp(fn, label)
 
     @torch.no_grad()
     def reset(self):

@@ -9,8 +9,9 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   1. bf16 casts (CUDA): the optimizer's fp32 masters and the graphs must see the final dtypes;
   2. attention backend: a per-device choice the compiled forward specializes on;
   3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
-     need the device, add scale buffers the graphs bake), or the fused ReLU^2 MLP (--mlp-kernel
-     quack, kernels/relu2_mlp.py), and the fused lm-head loss kernel (CUDA; between fp8 GEMMs
+     need the device, add scale buffers the graphs bake), then the fused ReLU^2 MLP inside
+     whichever matmul strategy is installed (--mlp-kernel quack, kernels/relu2_mlp.py; with
+     fp8 on the lm head alone both run), and the fused lm-head loss kernel (CUDA; between fp8 GEMMs
      when the lm head is an fp8 site; --no-fused-loss keeps the torch loss): all change what
      compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
@@ -113,17 +114,18 @@ def _install_fp8(model: GPT, device: torch.device) -> None:
 
 
 def _install_mlp_kernel(model: GPT, device: torch.device, kernel: str) -> None:
-    """TrainConfig.mlp_kernel="quack": the fused ReLU^2 MLP (kernels/relu2_mlp.py) as the
-    training forward's matmul strategy; an error naming the reason where it cannot run (asked
-    for explicitly: no silent fallback to the torch MLP)."""
+    """TrainConfig.mlp_kernel="quack": the fused ReLU^2 MLP (kernels/relu2_mlp.py) inside the
+    training forward's installed matmul strategy (plain or fp8: the lm head keeps its own
+    matmul, e.g. fp8 with model.fp8.sites=lm_head); an error naming the reason where it cannot
+    run (asked for explicitly: no silent fallback to the torch MLP)."""
     if kernel == "torch":
         return
-    from track_1_short.kernels.relu2_mlp import QuackRelu2Matmuls, quack_unavailable_reason
+    from track_1_short.kernels.relu2_mlp import QUACK_MLP_LABEL, quack_relu2_mlp, quack_unavailable_reason
 
     reason = quack_unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"--mlp-kernel quack cannot run on {device}: {reason}")
-    model.matmuls = QuackRelu2Matmuls()
+    model.matmuls.use_fused_mlp(quack_relu2_mlp, QUACK_MLP_LABEL)
 
 
 def _fp8_sites(model: GPT) -> tuple[str, ...]:
