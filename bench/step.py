@@ -49,6 +49,7 @@ from track_1_short.atomic_io import copy_file_atomic
 from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.schedule import SPEEDRUN_STAGES
+from track_1_short.trainer.build import describe_strategies
 from track_1_short.trainer.lifecycle import prepare_run
 from track_1_short.trainer.phases import timed_run
 from track_1_short.trainer.preflight import preflight
@@ -150,7 +151,10 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
            "warmup_s": run.log.warmup_s, "compiles": dict(run.log.compiles),
            "memory": common.memory_gib(ctx.device), "capture_report": run.parts.runner.capture_report(),
            "config_values": {key: _field(run.spec.cfg, key) for key in
-                             (item.partition("=")[0] for item in args.set)}}
+                             (item.partition("=")[0] for item in args.set)},
+           # what the training forward ran (the same line as the run log's): a config value
+           # that did not take effect shows here, not only in a kernel list
+           "strategies": describe_strategies(run.parts.model)}
     if run.log.profile:
         p = run.log.profile
         row.update(kernel_ms_per_step=p["kernel_ms"], device_busy_ms_per_step=p["device_busy_ms"],

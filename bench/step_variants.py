@@ -13,7 +13,8 @@ Output `step_variants_<machine>_<date>_<STAGE>.json`:
   stage, baseline
   variants  {VARIANT: {step_ms {median, p10, p90}, kernel_ms_per_step, phases_ms
             {fwd_bwd_per_micro_step, optimizer_even, optimizer_odd, ngram_event, extras},
-            mfu_fwd_bwd, ratio_to_baseline {step_ms_median, kernel_ms_per_step}} or
+            mfu_fwd_bwd, strategies (what the training forward ran), ratio_to_baseline
+            {step_ms_median, kernel_ms_per_step}} or
             {error}}; the fields as in bench/vs_record.py's "ours" side (one definition:
             vs_record.ours_side)
 
@@ -60,6 +61,8 @@ def build(paths: list[Path], baseline: str, graphs: str, script: str | None) -> 
     for name, bench in benches.items():
         try:
             sides[name], _, _ = ours_side(bench, graphs)
+            # what the forward ran (bench/step.py's line; absent in files before 2026-12-02)
+            sides[name]["strategies"] = bench.row(graphs).get("strategies")
         except InputError as e:  # the variant failed or was cut: say so, keep the others
             sides[name] = {"error": str(e)}
     base = sides[baseline]

@@ -134,7 +134,9 @@ def _step_variants(tmp_path: Path, *paths: Path, extra: tuple[str, ...] = ()) ->
 
 def test_step_variants_divides_each_variant_by_the_baseline_and_keeps_failures(tmp_path):
     bf16 = _step_json(tmp_path / "step_C_bf16.json", "C", {"on": _row("on", "C", 49152, 8, step=(720.0, 715.0, 730.0), kernel=716.0)})
-    fa4 = _step_json(tmp_path / "step_C_fa4.json", "C", {"on": _row("on", "C", 49152, 8, step=(680.0, 675.0, 685.0), kernel=674.0)})
+    fa4_row = _row("on", "C", 49152, 8, step=(680.0, 675.0, 685.0), kernel=674.0)
+    fa4_row["strategies"] = "training forward: fp8 (lm_head), otherwise bf16/fp32 matmuls"
+    fa4 = _step_json(tmp_path / "step_C_fa4.json", "C", {"on": fa4_row})
     quack = _step_json(tmp_path / "step_C_quack_mlp.json", "C", {},
                        errors={"on": {"error": "TypeError: epilogue fn depends on <ContextVar>"}})
     assert _step_variants(tmp_path, bf16, fa4, quack, extra=("--script", "bash fp8_step.sh")) == 0
@@ -147,6 +149,7 @@ def test_step_variants_divides_each_variant_by_the_baseline_and_keeps_failures(t
                                              "kernel_ms_per_step": pytest.approx(674.0 / 716.0)}
     assert v["bf16"]["ratio_to_baseline"]["step_ms_median"] == 1.0
     assert v["fa4"]["step_ms"] == {"median": 680.0, "p10": 675.0, "p90": 685.0}
+    assert v["fa4"]["strategies"] == fa4_row["strategies"] and v["bf16"]["strategies"] is None
     assert "it failed: TypeError: epilogue fn depends on <ContextVar>" in v["quack_mlp"]["error"]
     assert "ratio_to_baseline" not in v["quack_mlp"]
 

@@ -134,6 +134,7 @@ def test_step_bench_smoke(tmp_path):
     row = data["variants"]["off"]
     assert data["config_set"] == ["model.ngram.update=dense", "model.long_window_layers=1,5"]
     assert row["config_values"] == {"model.ngram.update": "dense", "model.long_window_layers": [1, 5]}
+    assert row["strategies"].startswith("training forward: bf16/fp32 matmuls")
     assert row["stage"] == "B" and row["micro_steps"] == 1 and row["step_ms"]["n"] == 2
     assert row["phases_ms"]["optimizer_even_ms"]["n"] == row["phases_ms"]["optimizer_odd_ms"]["n"] == 1
     assert row["host_issue_ms"]["median_ms"] > 0 and row["host_syncs_per_step"] is None  # CPU
