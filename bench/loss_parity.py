@@ -24,13 +24,15 @@ loader's document order over the schedule:
 the tokens trained exceed the corpus (the later bound that ignores the cut documents). A
 validation at step s runs before step s trains, so the points with step <= repeats_at_step saw
 no repeated token on either side; `max_gap_before_repeat` is the signed (ours - record) gap of
-largest size among them, at `max_gap_step`.
+largest size among them, at `max_gap_step`; `max_excess_before_repeat` {gap, step} the largest
+ours - record among them (the parity criterion: ours <= the record's + 0.02 at every one).
 
 Output (loss_parity_<corpus>[_<variant>]_<date>.json): command {script, builder, record}, corpus,
 [variant,] corpus_tokens, val_tokens,
 val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
 token_count_bound}, val [{step, ours, record}] at the steps both validated,
-max_gap_before_repeat, max_gap_step, transitions, complete {ours, record},
+max_gap_before_repeat, max_gap_step, max_excess_before_repeat, transitions, train_gap,
+complete {ours, record},
 streams_differ_at_step (first_stream_difference: the first step at which the two trainers'
 micro-batches hold different tokens; 0 with our seeded document order, null when every step before
 the data runs out or the schedule ends trains both on the same tokens: data.shuffle false).
@@ -42,6 +44,12 @@ each side: `before` (mean of steps b-5..b-1), `after` (steps b..b+4), `jump` = m
 before, `recovered_at` (the first step >= b at or below `before`, null within the logged steps);
 steps are 0-based on both sides (the harness's train record `step: k` is step k-1 done). A side
 without every step of the window logged gives null.
+
+train_gap: where both trainers train on the same tokens (streams_differ_at_step null or later)
+the train objectives compare step for step, with far less noise than validation (the same
+batch on both sides): per stage, over its steps before the first repeat and the first stream
+difference that both logged, {stage, steps [first, last + 1), mean, sd, max, max_step} of
+ours - record; null when the streams differ from step 0 (a shuffled order).
 
 Subcommands:
   build        the JSON above (scripts/gpu/loss_parity.sh after both runs)
@@ -288,6 +296,24 @@ def transitions(ours: dict[int, float], record: dict[int, float], bounds: list[l
     return out
 
 
+def train_gap(ours: dict[int, float], record: dict[int, float], bounds: list[list[int]],
+              names: list[str], until: int | None) -> list[dict] | None:
+    """The module docstring's train_gap: steps < until (None: every step) both sides logged."""
+    if until == 0:
+        return None
+    out = []
+    for name, (start, end) in zip(names, bounds):
+        steps = [s for s in range(start, end if until is None else min(end, until))
+                 if s in ours and s in record]
+        if not steps:
+            continue
+        gaps = np.array([ours[s] - record[s] for s in steps])
+        worst = int(np.argmax(gaps))
+        out.append({"stage": name, "steps": [steps[0], steps[-1] + 1], "mean": float(gaps.mean()),
+                    "sd": float(gaps.std()), "max": float(gaps[worst]), "max_step": steps[worst]})
+    return out
+
+
 def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
     if ours != record:
         raise InputError(f"not the same {what}: ours {ours!r} ({ours_src}), the record's {record!r} "
@@ -330,6 +356,9 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
               for s in sorted(set(ours_by_step) & set(rec_by_step))]
     before = [p for p in points if repeat_at is None or p["step"] <= repeat_at]
     worst = max(before, key=lambda p: abs(p["ours"] - p["record"]), default=None)
+    excess = max(before, key=lambda p: p["ours"] - p["record"], default=None)
+    record_train = record_train_losses(Path(record_curve["source"]))
+    same_until = [s for s in (repeat_at, streams_differ_at) if s is not None]
     return {"command": {"script": script, "builder": builder_command(),
                         "record": (rec.get("run") or {}).get("command")},
             "corpus": corpus_name, "corpus_tokens": train_tokens,
@@ -341,8 +370,11 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "val": points,
             "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
             "max_gap_step": worst["step"] if worst else None,
-            "transitions": transitions(ours_train, record_train_losses(Path(record_curve["source"])),
-                                       boundaries(shapes), repeat_at),
+            "max_excess_before_repeat": ({"gap": excess["ours"] - excess["record"], "step": excess["step"]}
+                                         if excess else None),
+            "transitions": transitions(ours_train, record_train, boundaries(shapes), repeat_at),
+            "train_gap": train_gap(ours_train, record_train, boundaries(shapes),
+                                   [s.name for s in shapes], min(same_until) if same_until else None),
             "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
 
 
@@ -408,8 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         result["variant"] = args.variant
         stem += f"_{args.variant}"
     write_result(args.out_dir, f"{stem}_{args.date or today()}.json", result)
+    excess = result["max_excess_before_repeat"] or {}
     print(f"repeats at step {result['repeats_at_step']} ({result['repeats']}); max gap before it "
-          f"{result['max_gap_before_repeat']} at step {result['max_gap_step']}")
+          f"{result['max_gap_before_repeat']} at step {result['max_gap_step']}; largest excess "
+          f"{excess.get('gap')} at step {excess.get('step')}")
+    for g in result["train_gap"] or []:
+        print(f"train objective, ours - record, stage {g['stage']} steps {g['steps']}: mean "
+              f"{g['mean']:+.4f} (sd {g['sd']:.4f}), max {g['max']:+.4f} at step {g['max_step']}")
     return 0
 
 

@@ -386,8 +386,25 @@ def test_loss_parity_pairs_common_steps_and_finds_the_gap_before_the_first_repea
     # steps 0 and 2 come before the repeat at 3; the larger gap there is +0.5 at step 2 (step 6's
     # -0.5 comes after it)
     assert out["max_gap_before_repeat"] == pytest.approx(0.5) and out["max_gap_step"] == 2
+    assert out["max_excess_before_repeat"] == {"gap": pytest.approx(0.5), "step": 2}
+    assert out["train_gap"] is None  # a shuffled order: no two steps hold the same tokens
     assert out["complete"] == {"ours": True, "record": True}
     assert out["command"]["record"] == "run.sh loss ITERS=..."
+
+
+def test_train_gap_per_stage_on_the_same_tokens():
+    """ours - record train objective per stage, only over steps both logged before the first
+    repeat or stream difference (whichever comes first); none when the streams differ at once;
+    the excess criterion is signed (a larger negative gap is not the worst excess)."""
+    ours = {s: 5.0 for s in range(10)}
+    record = {s: 5.0 - (0.1 if s < 4 else -0.2 if s == 6 else 0.0) for s in range(10) if s != 5}
+    gaps = loss_parity.train_gap(ours, record, [[0, 4], [4, 10]], ["A", "B"], until=8)
+    assert gaps == [{"stage": "A", "steps": [0, 4], "mean": pytest.approx(0.1), "sd": pytest.approx(0.0),
+                     "max": pytest.approx(0.1), "max_step": 0},
+                    {"stage": "B", "steps": [4, 8], "mean": pytest.approx(-0.2 / 3), "sd": pytest.approx(0.0943, abs=1e-4),
+                     "max": pytest.approx(0.0), "max_step": 4}]
+    assert loss_parity.train_gap(ours, record, [[0, 4], [4, 10]], ["A", "B"], until=0) is None
+    assert [g["stage"] for g in loss_parity.train_gap(ours, record, [[0, 4], [4, 10]], ["A", "B"], until=3)] == ["A"]
 
 
 def test_transition_jump_recovery_and_the_record_step_convention(tmp_path):
