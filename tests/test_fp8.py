@@ -297,6 +297,29 @@ def test_resolve_warns_when_enabled_but_unavailable(monkeypatch):
         m.resolve(torch.device("cuda"))  # available, but the scales are still on the CPU
 
 
+def test_lm_head_gradient_scale_follows_the_losss_gradient_scale(monkeypatch):
+    """The lm head's e5m2 scale is LM_HEAD_GRAD_SCALE x the loss's gradient scale (1 / micro-
+    steps; HEAD's grad_s = grad_scale x 0.75 / 448), kept by reset(); the trainer's install
+    passes it through (prepare_for_device; prepare_model gives 1 / spec.micro_steps)."""
+    from track_1_short.trainer import build
+
+    m = Fp8Matmuls(Fp8Config(enabled=True), num_layers=1, grad_scale=1 / 8)
+    assert m.lm_head_grad_scale.item() == pytest.approx(fp8.LM_HEAD_GRAD_SCALE / 8)
+    m.lm_head_grad_scale.fill_(1.0)
+    m.reset()
+    assert m.lm_head_grad_scale.item() == pytest.approx(fp8.LM_HEAD_GRAD_SCALE / 8)
+    assert Fp8Matmuls(Fp8Config(), num_layers=1).lm_head_grad_scale.item() == pytest.approx(
+        fp8.LM_HEAD_GRAD_SCALE)
+    with pytest.raises(ValueError, match=r"grad_scale=0.*1 / micro-steps"):
+        Fp8Matmuls(Fp8Config(), num_layers=1, grad_scale=0)
+    monkeypatch.setattr(Fp8Matmuls, "resolve", lambda self, device: True)  # as on an H200
+    model = _model()
+    model.config.fp8 = Fp8Config(enabled=True)
+    build.prepare_for_device(model, torch.device("cpu"), fused_loss=False, grad_scale=0.25)
+    assert isinstance(model.matmuls, Fp8Matmuls)
+    assert model.matmuls.lm_head_grad_scale.item() == pytest.approx(fp8.LM_HEAD_GRAD_SCALE / 4)
+
+
 def test_config_rejects_no_bootstrap():
     with pytest.raises(ValueError, match="bootstrap_steps=0"):
         Fp8Config(bootstrap_steps=0)

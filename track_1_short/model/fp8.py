@@ -145,7 +145,7 @@ FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}  # largest finite value of each format
 E4M3_MAX = FP8_MAX[E4M3]
 LM_HEAD_X_SCALE = 100.0 / E4M3_MAX  # facts 1.7
 LM_HEAD_W_SCALE = 1.6 / E4M3_MAX
-LM_HEAD_GRAD_SCALE = 0.75 / E4M3_MAX
+LM_HEAD_GRAD_SCALE = 0.75 / E4M3_MAX  # per unit of the loss's gradient scale (Fp8Matmuls' grad_scale)
 MLP_DOWN_X_MARGIN = 1.80  # facts 1.7 (PR #342): delayed activation scale = prev amax * 1.80 / 448
 MLP_DOWN_W_MARGIN = 1.12  # facts 1.7: delayed weight scale = previous weights' amax * 1.12 / 448
 AMAX_FLOOR = 1e-12  # every amax is floored here (all-zero tensors quantise to zeros, not NaN)
@@ -442,12 +442,20 @@ class Fp8Matmuls(PlainMatmuls):
     site. Installed by the trainer as GPT.matmuls (trainer/build.py) for the training forward
     only; eval keeps PlainMatmuls, so it never quantises nor advances the delayed scales."""
 
-    def __init__(self, cfg: Fp8Config, *, num_layers: int):
+    def __init__(self, cfg: Fp8Config, *, num_layers: int, grad_scale: float = 1.0):
+        """grad_scale: the training loss's gradient scale, the upstream gradient of every token's
+        loss (1 / micro-steps: grad_handoff.GradHandoff.loss_scale). The lm head's e5m2 gradient
+        scale is LM_HEAD_GRAD_SCALE x grad_scale, as HEAD's grad_s = grad_scale x 0.75 / 448
+        (facts 1.7), so the quantised logit gradient keeps its range whatever the micro-step
+        count (with 1 / 8 and the unscaled constant it sat 8x lower in e5m2, nearer its
+        subnormals)."""
         super().__init__()
+        if not grad_scale > 0:
+            raise ValueError(f"Fp8Matmuls(grad_scale={grad_scale}): must be > 0 (1 / micro-steps)")
         self.cfg = cfg
         self.active = False  # set by resolve(); False = bf16/fp32 path
         self.initial = {"lm_head_x_scale": LM_HEAD_X_SCALE, "lm_head_w_scale": LM_HEAD_W_SCALE,
-                        "lm_head_grad_scale": LM_HEAD_GRAD_SCALE}
+                        "lm_head_grad_scale": LM_HEAD_GRAD_SCALE * grad_scale}
         for name, value in self.initial.items():
             # one registration = one allocation: each scale has its own aligned storage
             self.register_buffer(name, torch.tensor(value, dtype=torch.float32))

@@ -103,12 +103,14 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
     return opt
 
 
-def _install_fp8(model: GPT, device: torch.device) -> None:
+def _install_fp8(model: GPT, device: torch.device, grad_scale: float) -> None:
     """--fp8: Fp8Matmuls as the training forward's matmul strategy, where it can run (where it
-    cannot, Fp8Matmuls.resolve warns naming the device and the reason, and bf16 stays)."""
+    cannot, Fp8Matmuls.resolve warns naming the device and the reason, and bf16 stays);
+    grad_scale: the loss's gradient scale (1 / micro-steps), for the lm head's e5m2 scale."""
     if not model.config.fp8.enabled:
         return
-    fp8 = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers).to(device)
+    fp8 = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers,
+                     grad_scale=grad_scale).to(device)
     if fp8.resolve(device):
         model.matmuls = fp8
 
@@ -180,14 +182,15 @@ def describe_strategies(model: GPT) -> str:
 
 
 def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True,
-                       mlp_kernel: str = "torch") -> GPT:
-    """Steps 1-3 of the module docstring: what one device needs (the benches stop here)."""
+                       mlp_kernel: str = "torch", grad_scale: float = 1.0) -> GPT:
+    """Steps 1-3 of the module docstring: what one device needs (the benches stop here).
+    grad_scale: the training loss's gradient scale (1 / micro-steps; fp8's lm-head scale)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
         for name, p in model.named_parameters():
             if name in BF16_PARAMS:
                 p.data = p.data.to(torch.bfloat16)
     model.resolve_attention_backend(device)
-    _install_fp8(model, device)
+    _install_fp8(model, device, grad_scale)
     _install_mlp_kernel(model, device, mlp_kernel)
     _install_fused_loss(model, device, fused_loss)
     return model
@@ -198,7 +201,8 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     graph_backend: None for CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend)
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
-    prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel)  # 1.-3.
+    prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel,
+                       grad_scale=1.0 / spec.micro_steps)  # 1.-3. (GradHandoff.loss_scale)
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
