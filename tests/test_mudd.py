@@ -144,21 +144,46 @@ def _dc_dense(q, k, v, cu, w1, w2, scale, window):
     return torch.einsum("qk,khd->qhd", a, v) * w2[..., None]
 
 
-@pytest.mark.parametrize("lengths, window", [([200], 112), ([5, 130, 1, 64], 7), ([300, 100], 1)])
+@pytest.mark.parametrize("lengths, window", [([200], 112), ([5, 130, 1, 64], 7), ([300, 100], 1),
+                                             ([300, 100], 129), ([400], 300)])
 def test_dc_blocked_equals_the_dense_definition(lengths, window):
     """Queries of several blocks (T not a multiple of 128), documents shorter and longer than the
-    window, window 1 (each token its own value)."""
+    window, window 1 (each token its own value), windows reaching one and two blocks back;
+    output and every input's gradient."""
     from tests.test_attention import _cu
 
     t = sum(lengths)
     g = torch.Generator().manual_seed(len(lengths))
-    q, k, v = (torch.randn(t, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
-    w1, w2 = (torch.randn(t, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    inputs = [torch.randn(t, 3, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    inputs += [torch.randn(t, 3, generator=g, dtype=torch.float64) for _ in range(2)]
     cu = _cu(lengths, capacity=8)
-    got = dc_correction(q, k, v, cu, w1, w2, 0.3, window)
-    torch.testing.assert_close(got, _dc_dense(q, k, v, cu, w1, w2, 0.3, window))
+    dy = torch.randn(t, 3, 8, generator=g, dtype=torch.float64)
+    results = []
+    for fn in (dc_correction, _dc_dense):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        out = fn(*leaves[:3], cu, *leaves[3:], 0.3, window)
+        results.append((out, torch.autograd.grad(out, leaves, dy)))
+    (got, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(got, ref)
+    for name, gr, r in zip(("q", "k", "v", "w1", "w2"), grads, ref_grads):
+        torch.testing.assert_close(gr, r, msg=lambda m, name=name: f"d{name}: {m}")
+    q, k, v, w1, w2 = inputs
     if window == 1:  # p is 1 on the token itself: a(t, t) = sum of w1
-        torch.testing.assert_close(got, v * (w1.sum(-1, keepdim=True) * w2)[..., None])
+        torch.testing.assert_close(got.detach(), v * (w1.sum(-1, keepdim=True) * w2)[..., None])
+
+
+@pytest.mark.parametrize("t, window", [(200, 112), (128, 1), (300, 129), (50, 300)])
+def test_dc_block_windows_hold_the_rows_before_each_block(t, window):
+    """block_windows: row j of block n is position n*128 - (window - 1) + j, zero outside [0, T)."""
+    from track_1_short.model.mudd import DC_BLOCK, block_windows
+
+    x = torch.arange(1, t + 1, dtype=torch.float64)[:, None]  # position p holds p + 1
+    nb = -(-t // DC_BLOCK)
+    got = block_windows(x, nb, window)
+    assert got.shape == (nb, window - 1 + DC_BLOCK, 1)
+    pos = torch.arange(nb)[:, None] * DC_BLOCK - (window - 1) + torch.arange(window - 1 + DC_BLOCK)
+    want = torch.where((pos >= 0) & (pos < t), pos + 1, 0).to(torch.float64)
+    assert torch.equal(got[..., 0], want)
 
 
 def _live(model: GPT, seed=1):

@@ -175,6 +175,24 @@ def dc_weights(w1: Tensor, w2: Tensor) -> tuple[Tensor, Tensor]:
     return F.rms_norm(w1.float(), (w1.shape[-1],), eps=1e-6).to(w1.dtype), w2
 
 
+def block_windows(x: Tensor, num_blocks: int, window: int) -> Tensor:
+    """The keys (or values) each DC query block reads: x [T, ...] -> [NB, window - 1 + DC_BLOCK,
+    ...], row j of block n holding position n * DC_BLOCK - (window - 1) + j, zeros where that
+    falls before 0 or at T and after. Built from whole blocks (the block itself and the shifted
+    copies of the ones before it that the window reaches into) with pads, cats and slices only,
+    so its backward adds slices; an index gather of the overlapping rows would, in the backward,
+    scatter-add every row ~2x (at window 112 an inductor index_put kernel of 1.6 ms per stage-C
+    micro-step on the H200, 2026-12-02)."""
+    t, rest = x.shape[0], x.shape[1:]
+    xb = F.pad(x, (0, 0) * len(rest) + (0, num_blocks * DC_BLOCK - t))
+    xb = xb.view(num_blocks, DC_BLOCK, *rest)  # [NB, B, ...]
+    back = -(-(window - 1) // DC_BLOCK)  # earlier blocks the window reaches into
+    tail = (0, 0) * (len(rest) + 1)  # pads of every dim after the block dim
+    parts = [F.pad(xb, tail + (m, 0))[:num_blocks] for m in range(back, 0, -1)]  # block n - m
+    full = torch.cat([*parts, xb], dim=1)  # [NB, (back + 1) B, ...]
+    return full[:, back * DC_BLOCK - (window - 1):]  # [NB, window - 1 + B, ...]
+
+
 def dc_correction(q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, w1: Tensor, w2: Tensor,
                   scale: float, window: int) -> Tensor:
     """DC's addition to a layer's attention output (dynamically composable attention, one
@@ -184,24 +202,24 @@ def dc_correction(q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, w1: Tens
     them), w1, w2 [T, H] -> [T, H, D] in v's dtype.
 
     Blocked: queries in blocks of DC_BLOCK, each against the window - 1 keys before it and its
-    own (zero rows pad the front and the end), so memory is O(T (DC_BLOCK + window)) per head."""
+    own (block_windows; zero rows pad the front and the end), so memory is O(T (DC_BLOCK +
+    window)) per head."""
     t, h, d = q.shape
     nb = -(-t // DC_BLOCK)
     pad, span = nb * DC_BLOCK - t, DC_BLOCK + window - 1
     front = window - 1
     qb = F.pad(q, (0, 0, 0, 0, 0, pad)).view(nb, DC_BLOCK, h, d)  # [NB, B, H, D]
-    kp, vp = (F.pad(x, (0, 0, 0, 0, front, pad)) for x in (k, v))  # [front + NB*B, H, D]
+    kw, vw = (block_windows(x, nb, window) for x in (k, v))  # [NB, L, H, D]
     qpos = torch.arange(nb * DC_BLOCK, device=q.device).view(nb, DC_BLOCK)  # [NB, B]
-    idx = qpos[:, :1] + torch.arange(span, device=q.device)  # [NB, L] rows of kp
-    kpos = idx - front  # [NB, L] key positions (< 0: front padding)
+    kpos = qpos[:, :1] + torch.arange(span, device=q.device) - front  # [NB, L] (< 0: padding)
     doc = document_ids(cum_seqlens, nb * DC_BLOCK)  # [NB*B]; positions >= T share the last id
     key_doc = torch.where(kpos >= 0, doc[kpos.clamp(min=0)], -1)  # [NB, L]
     rel = qpos[:, :, None] - kpos[:, None, :]  # [NB, B, L]
     valid = (rel >= 0) & (rel < window) & (doc[qpos][:, :, None] == key_doc[:, None, :])
     wide = torch.promote_types(q.dtype, torch.float32)  # the softmax at >= float32
-    s = torch.einsum("nqhd,nkhd->nhqk", qb, kp[idx]).to(wide) * scale  # [NB, H, B, L]
+    s = torch.einsum("nqhd,nkhd->nhqk", qb, kw).to(wide) * scale  # [NB, H, B, L]
     p = s.masked_fill(~valid[:, None], float("-inf")).softmax(-1)
     w1b = F.pad(w1, (0, 0, 0, pad)).view(nb, DC_BLOCK, h).to(wide)  # [NB, B, H]
     a = torch.einsum("nhqk,nqh->nqk", p, w1b).to(v.dtype)  # [NB, B, L]
-    mixed = torch.einsum("nqk,nkhd->nqhd", a, vp[idx])  # [NB, B, H, D]
+    mixed = torch.einsum("nqk,nkhd->nqhd", a, vw)  # [NB, B, H, D]
     return (mixed.reshape(nb * DC_BLOCK, h, d)[:t] * w2[..., None]).to(v.dtype)
