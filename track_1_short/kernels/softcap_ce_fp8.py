@@ -32,7 +32,8 @@ transposed write: 4.5 ms per stage-C micro-step on one H200; the kernel's time: 
 expected ~2.5-3 ms; kernels/fp8_quantise.py.)
 
 Scales: the lm head's static ones (Fp8Matmuls.lm_head_{x,w,grad}_scale, facts 1.7: 100/448,
-1.6/448, 0.75/448), passed as their buffers (nothing writes them during a step).
+1.6/448, 0.75/448 x the loss's gradient scale 1 / micro-steps, so g8 keeps its range whatever the
+micro-step count), passed as their buffers (nothing writes them during a step).
 
 Slow reference: model/fp8.py's fp8_matmul_reference / fp8_matmul_backward_reference around
 model/loss.py's training_loss (tests/softcap_ce_cases.py checks the op against it on the CPU in
