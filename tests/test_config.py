@@ -28,6 +28,7 @@ def test_data_config_rules(kwargs, needle):
     (dict(profile_steps=(5, 5)), "--profile-steps 5:5"),
     (dict(profile_steps=(-1, 2)), "--profile-steps -1:2"),
     (dict(profile_steps=(0, 50)), "at most 20 steps"),
+    (dict(update_norm_steps=(4, 4)), "--update-norms 4:4: needs 0 <= START < END"),
 ])
 def test_train_config_rules(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -13,6 +13,7 @@ import torch
 from micro import micro_config
 
 from track_1_short import config as config_mod
+from track_1_short.model.gpt import GPT
 from track_1_short.report import MetricsLog
 from track_1_short.train import train
 from track_1_short.trainer.lifecycle import deterministic_mode
@@ -120,6 +121,26 @@ def test_profile_steps_write_a_trace_and_kernel_stats(shard_dir, tmp_path, capsy
     assert not (tmp_path / "late" / "summary.json").exists()
 
 
+def test_update_norms_show_each_steps_cadence(shard_dir, tmp_path):
+    """--update-norms 2:4: a line per probed step (2 and 3 only) naming every parameter and the
+    n-gram table; the losses equal a run without it (the probe changes nothing). Step 2 is even:
+    the ANVIL banks move, the Adam parameters and the n-gram table do not (their gradients are
+    held for the odd step); step 3 moves all three."""
+    assert train(micro_config(shard_dir, tmp_path, "plain", max_steps=5)) == 0
+    assert train(micro_config(shard_dir, tmp_path, "norms", max_steps=5, update_norm_steps=(2, 4))) == 0
+    assert _losses(tmp_path / "norms") == _losses(tmp_path / "plain")
+    lines = [r for r in MetricsLog.read(tmp_path / "norms") if r["kind"] == "update_norms"]
+    assert [r["step"] for r in lines] == [2, 3] and all(r["stage"] == "A" for r in lines)
+    even, odd = (r["norms"] for r in lines)
+    model = GPT(micro_config(shard_dir, tmp_path, "x").model)
+    model_names = {n for n, _ in model.named_parameters()}
+    assert set(even) == set(odd) == model_names | {"ngram_table"}
+    for name in ("embed.weight", "lm_head", "value_embeds.weight", "ngram_table"):  # Adam / event
+        assert even[name][0] == 0.0 and odd[name][0] > 0.0 and even[name][1] > 0.0, name
+    for name in ("qk_bank", "vo_bank", "mlp_bank"):  # ANVIL, every step
+        assert even[name][0] > 0.0 and odd[name][0] > 0.0, name
+
+
 def test_resume_is_exact(shard_dir, tmp_path):
     assert train(micro_config(shard_dir, tmp_path, "full")) == 0
     assert train(micro_config(shard_dir, tmp_path, "first", max_steps=8)) == 0
@@ -149,6 +170,8 @@ def test_unaligned_checkpoint_is_skipped(shard_dir, tmp_path, capsys):
     (["--preset", "cpu-tiny", "--max-steps", "0"], "--max-steps"),
     (["--preset", "cpu-tiny", "--warmup-only"], "--warmup-only"),  # cpu-tiny does not compile
     (["--preset", "cpu-tiny", "--profile-steps", "7"], "expected START:END"),
+    (["--preset", "cpu-tiny", "--update-norms", "60"], "expected START:END"),
+    (["--preset", "cpu-tiny", "--update-norms", "9:3"], "--update-norms 9:3: needs 0 <= START < END"),
 ])
 def test_bad_flags_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:

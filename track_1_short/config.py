@@ -113,6 +113,10 @@ class TrainConfig:
     # --profile-steps START:END: torch.profiler over timed steps [START, END) on rank 0
     # (perf/profiling.py: a chrome trace and profile.json in the run dir; the summary's "profile")
     profile_steps: tuple[int, int] | None = None
+    # --update-norms START:END: per parameter, the RMS of each timed step's update and of the
+    # value after it, for the steps in [START, END) (trainer/update_norms.py; metrics lines of
+    # kind "update_norms"; a copy of the parameters and one sync per probed step)
+    update_norm_steps: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -126,6 +130,9 @@ class TrainConfig:
             if not 0 <= start < end or end - start > MAX_PROFILE_STEPS:
                 raise ValueError(f"--profile-steps {start}:{end}: needs 0 <= START < END and at most "
                                  f"{MAX_PROFILE_STEPS} steps (a trace of more is too large to read)")
+        if self.update_norm_steps is not None and not 0 <= self.update_norm_steps[0] < self.update_norm_steps[1]:
+            start, end = self.update_norm_steps
+            raise ValueError(f"--update-norms {start}:{end}: needs 0 <= START < END")
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
@@ -340,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--profile-steps", type=_step_range, metavar="START:END",
         help="torch.profiler over timed steps [START, END) (rank 0): chrome trace and profile.json "
              "(kernel time, busy time, top kernels) in the run dir")
+    add("--update-norms", type=_step_range, metavar="START:END",
+        help="per parameter (and the n-gram table), the RMS of each timed step's update and of "
+             "its value, for steps [START, END): metrics lines of kind update_norms (a diagnostic "
+             "for loss runs: a parameter copy and a host sync per probed step)")
     add("--deterministic", action="store_true",
         help="deterministic kernels where torch has them (reproducible runs for debugging and "
              "tests; slower); ops without one warn, naming the op")
@@ -421,7 +432,7 @@ def _validate_tree(obj) -> None:
 
 
 def _step_range(text: str) -> tuple[int, int]:
-    """'START:END' -> (START, END) for --profile-steps."""
+    """'START:END' -> (START, END) for --profile-steps and --update-norms."""
     start, sep, end = text.partition(":")
     try:
         if not sep:
@@ -462,6 +473,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     _set(cfg.train, "device", args.device)
     _set(cfg.train, "log_every", args.log_every)
     _set(cfg.train, "profile_steps", args.profile_steps)
+    _set(cfg.train, "update_norm_steps", args.update_norms)
     _set(cfg.schedule, "val_every_steps", args.val_every)
     _set(cfg.model, "attention_backend", args.attention)
     _set(cfg.model.fp8, "enabled", args.fp8)

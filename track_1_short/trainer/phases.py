@@ -8,7 +8,9 @@ eval graph compiled in the YaRN state it will run in. A signal stops it at the n
 
 Timed run: steps [start, num_steps) under the train clock (validation and checkpoints pause it),
 a train record every `log_every` steps (the one host sync of a step, reading the loss), periodic
-checkpoints, and the graceful stop at the next checkpoint boundary after a signal.
+checkpoints, and the graceful stop at the next checkpoint boundary after a signal; with
+--update-norms the probed steps' per-parameter update sizes (trainer/update_norms.py, outside
+the step's timer and the clock).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from track_1_short.trainer.state import Run, RunSpec
 from track_1_short.trainer.step import evaluate, train_step
 from track_1_short.trainer.stop import StoppedBeforeTraining
 from track_1_short.trainer.timing import TrainClock, counting_compiles, sync
+from track_1_short.trainer.update_norms import UpdateNorms, model_tensors
 
 
 # ---------------------------------------------------------------- validation
@@ -144,6 +147,14 @@ def _after_profile(run: Run, profiler: StepProfiler, step: int, clock: TrainCloc
                f"{run.spec.run_dir / 'profile.json'}")
 
 
+def _update_norms(run: Run) -> UpdateNorms | None:
+    """--update-norms: the probe over the model's parameters and this rank's n-gram table."""
+    window = run.spec.cfg.train.update_norm_steps
+    if window is None:
+        return None
+    return UpdateNorms(model_tensors(run.parts.model, run.parts.ngram.table), window)
+
+
 def timed_run(run: Run, start_step: int) -> None:
     """Steps [start_step, num_steps), or until a signal's stop at a checkpoint boundary (run.stop)."""
     spec, progress, log = run.spec, run.progress, run.log
@@ -154,6 +165,7 @@ def timed_run(run: Run, start_step: int) -> None:
     progress.steps_done = start_step
     progress.resumed_train_time_s = progress.train_time_s  # > 0 after --resume: not this process's
     clock, profiler, tokens = TrainClock(progress, spec.ctx.device), _step_profiler(run), 0
+    norms = _update_norms(run)
     clock.start()
     for step in bar:
         plan = spec.plans[step]
@@ -162,10 +174,18 @@ def timed_run(run: Run, start_step: int) -> None:
                 validate(run, step)
         if profiler is not None:
             profiler.before(step)
+        if norms is not None and norms.probes(step):
+            with clock.paused():
+                norms.before(step)
         log.timer.start(step)
         with counting_compiles(log.compiles, "timed"), log.syncs.count(step):
             loss_t = train_step(spec, run.parts, step, progress.loader, log.timer)
         log.timer.stop(step)
+        if norms is not None and norms.probes(step):
+            with clock.paused():
+                moved = norms.after(step)
+            if spec.ctx.is_main:
+                log.metrics.log(kind="update_norms", step=step, stage=plan.stage, norms=moved)
         tokens += spec.micro_steps * plan.tokens_per_rank  # per rank, since start_step
         if profiler is not None and step == profiler.end - 1:
             _after_profile(run, profiler, step, clock)
