@@ -23,6 +23,11 @@
 # 2026-12-01; the same configuration repeated in another session moved by <= 0.013 before step
 # 110, docs/results/loss_ablations_embedded-large_2026-12-01/README.md). Each variant gets what
 # is left of the call's deadline (DEADLINE_S, 585 s); a cut variant still leaves its curve so far.
+# EXTRA_FLAGS="..." adds trainer flags to every variant, for diagnostics that do not change the
+# training, e.g. EXTRA_FLAGS="--update-norms 55:70" (per-parameter update sizes around A -> B).
+# RECORD / BASE_JSON point at another call's record curve / base curve, e.g. the same-token
+# parity run of 2026-12-02: RECORD=docs/results/loss_parity_embedded-large_head_mudd_fo_2026-12-02/record_loss.jsonl
+# BASE_JSON=docs/results/loss_parity_embedded-large_head_mudd_fo_2026-12-02.json
 source scripts/gpu/common.sh  # run from the repo root
 source scripts/gpu/loss_variants.sh  # loss_variant_flags
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
@@ -36,7 +41,7 @@ train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with th
   timeout -k 15 "$limit" python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" \
       --graphs on --val-every 10 --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ" \
       --runs-dir "$OUT/runs" --no-save-final --log-every 1 --max-steps "$MAX_STEPS" \
-      --run-id "$v" "$@" > "$L/$v.log" 2>&1
+      --run-id "$v" "$@" ${EXTRA_FLAGS:-} > "$L/$v.log" 2>&1
   rc=$?
   python3 bench/loss_parity.py build --ours "$OUT/runs/$v" --record "$RECORD" --data-dir "$DATA" \
       --variant "$v" --date "$DATE" --out-dir "$OUT" --script "bash scripts/gpu/loss_ablations.sh" \
