@@ -521,6 +521,36 @@ def test_compiled_op_fullgraph_equals_eager():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("site", ["mlp_up", "mlp_down"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_mlp_bf16_backward_is_the_fp8_forward_and_the_plain_backward(site, compiled):
+    """Fp8Config.mlp_backward="bf16" (HEAD's MLP): the output is the fp8 op's, bitwise (same
+    quantisation and GEMM, the same scale buffers advanced); both gradients are the plain bf16
+    matmul's, bitwise; under torch.compile (aot_eager, fullgraph) too. The lm head keeps its fp8
+    backward. A bad value is refused, naming the field."""
+    x, w, g = _operands(site, t=64, k=128, n=256)
+    outs = {}
+    for backward in ("fp8", "bf16"):
+        m = Fp8Matmuls(Fp8Config(enabled=True, mlp_backward=backward), num_layers=2)
+        m.active = True
+
+        def fn(a, b, m=m):
+            return m.matmul(a, b, which=site, layer=1)
+        run = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False) if compiled else fn
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        out = run(*leaves)
+        outs[backward] = (out.detach(), *torch.autograd.grad(out, leaves, g), _state(m))
+    plain = [t.clone().requires_grad_() for t in (x, w)]
+    plain_grads = torch.autograd.grad(plain[0] @ plain[1], plain, g)
+    assert torch.equal(outs["bf16"][0], outs["fp8"][0])
+    assert all(torch.equal(outs["bf16"][3][n], outs["fp8"][3][n]) for n in outs["fp8"][3])
+    for got, want, name in zip(outs["bf16"][1:3], plain_grads, ("x", "w")):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert not torch.equal(outs["fp8"][1], plain_grads[0])  # the fp8 backward is another one
+    with pytest.raises(ValueError, match=r"Fp8Config.mlp_backward='fp16': one of \('fp8', 'bf16'\)"):
+        Fp8Config(mlp_backward="fp16")
+
+
 def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():
     """The tiny GPT with fp8 forced on (CPU stand-in; MLP up current, MLP down delayed after a
     1-call bootstrap) and plain, two SGD steps on different batches: the per-token training loss

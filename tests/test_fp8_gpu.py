@@ -105,6 +105,26 @@ def test_op_matches_reference_and_bf16_at_speedrun_shapes(site):
     assert all(errors[n] < limits[n] for n in errors), f"{site}: {errors} (limits {limits})"
 
 
+@pytest.mark.parametrize("site", ["mlp_up", "mlp_down"])
+def test_mlp_bf16_backward_under_inductor_is_the_plain_backward(site):
+    """Fp8Config.mlp_backward="bf16" compiled by inductor (fullgraph) at the speedrun's MLP
+    shapes: the output equals the fp8 op's eager output, the gradients the plain bf16 matmul's
+    (within bf16 GEMM noise: inductor may pick another GEMM)."""
+    device = torch.device("cuda")
+    m = Fp8Matmuls(Fp8Config(enabled=True, mlp_backward="bf16"), num_layers=1).to(device)
+    assert m.resolve(device)
+    ref = _fp8_module()
+    x, w, g = _operands(site, *SHAPES[site])
+    fn = torch.compile(lambda a, b: m.matmul(a, b, which=site, layer=0), fullgraph=True, dynamic=False)
+    out = fn(x, w)
+    grad_x, grad_w = torch.autograd.grad(out, (x, w), g)
+    with torch.no_grad():
+        want = ref.matmul(x, w, which=site, layer=0)
+        errors = {"out/fp8 op": _rel(out, want), "grad_x/bf16": _rel(grad_x, g @ w.t()),
+                  "grad_w/bf16": _rel(grad_w, x.t() @ g)}
+    assert all(v < 1e-2 for v in errors.values()), f"{site}: {errors}"
+
+
 def test_compiled_fullgraph_equals_eager():
     """inductor, fullgraph: the GEMMs stay t1s::scaled_mm extern calls (one forward, two backward),
     the quantisations, amax scales and delayed-scale updates are traced code (a division inductor

@@ -32,9 +32,10 @@
 #               bench/loss_parity.first_stream_difference), so a parity run compares models, not
 #               document orders
 #   head_mudd_fo head_mudd in file order: the parity run's candidate
-#   head_mudd_fo_fp8 head_mudd_fo with --set model.fp8.enabled=true: the lm head and MLP forward
-#               in fp8, as the record trains (facts 1.7; its eval is bf16, as ours): the parity
-#               run of 2026-12-02 had ours in bf16 against the record in fp8
+#   head_mudd_fo_fp8 head_mudd_fo with --set model.fp8.enabled=true --set
+#               model.fp8.mlp_backward=bf16: the lm head in fp8 and the MLP forward in fp8 with
+#               its backward in bf16, as the record trains (facts 1.7; its eval is bf16, as
+#               ours): the parity run of 2026-12-02 had ours in bf16 against the record in fp8
 loss_variant_flags() {
   case "$1" in
     base) ;;
@@ -58,7 +59,8 @@ loss_variant_flags() {
     adamw) echo --optimizer adamw ;;
     file_order) echo --set data.shuffle=false ;;
     head_mudd_fo) echo "$(loss_variant_flags head_mudd) $(loss_variant_flags file_order)" ;;
-    head_mudd_fo_fp8) echo "$(loss_variant_flags head_mudd_fo) --set model.fp8.enabled=true" ;;
+    head_mudd_fo_fp8) echo "$(loss_variant_flags head_mudd_fo) --set model.fp8.enabled=true" \
+                           "--set model.fp8.mlp_backward=bf16" ;;
     *) echo "loss_variants.sh: unknown variant '$1'" >&2; return 2 ;;
   esac
 }

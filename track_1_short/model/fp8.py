@@ -19,6 +19,8 @@ The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     backward  g8 = q5(g / grad_s)                     (e5m2, [T, N])
               grad_x = _scaled_mm(g8, w8^T, grad_s, w_s) -> bf16 [T, K]
               grad_w = _scaled_mm(x8^T, g8, x_s, grad_s) -> fp32 [K, N], then w's dtype
+              (the MLP sites with Fp8Config.mlp_backward = "bf16", as HEAD's MLP:
+              fp8_forward_matmul, the plain backward g @ w^T, x^T @ g from the saved x and w)
 where q clamps to the format's finite range (+-448 e4m3, +-57344 e5m2: an out-of-range cast would
 give NaN/inf) and rounds to nearest, so a value beyond 448 * scale SATURATES at +-448 * scale (this
 is what happens when a delayed scale is too small); `quantise` is that one definition, and `amax` /
@@ -299,6 +301,34 @@ class _Fp8Matmul(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
+class _Fp8ForwardMatmul(torch.autograd.Function):
+    """x [T, K] @ w [K, N] with _Fp8Matmul's forward and the plain backward in x's dtype from the
+    saved x and w (Fp8Config.mlp_backward = "bf16": HEAD's MLP, facts 1.7). Saves x and w
+    themselves (twice the bytes of the fp8 copies)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor):
+        x8, w8 = quantise_operands(x, w, x_s, w_s)
+        ctx.save_for_backward(x, w)
+        return scaled_mm(row_major(x8), col_major(w8), x_s, w_s, torch.bfloat16, True)  # [T, N]
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w = ctx.saved_tensors  # [T, K], [K, N]
+        g = g.to(x.dtype)
+        return g @ w.to(x.dtype).t(), (x.t() @ g).to(w.dtype), None, None
+
+
+def fp8_forward_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
+    """x [T, K] @ w [K, N] -> bf16 [T, N]: the forward in fp8 (fp8_matmul's), the backward as x @ w's
+    in x's dtype. T, K, N multiples of 16 (ValueError otherwise)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"fp8_forward_matmul: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} "
+                         f"@ {tuple(w.shape)}")
+    check_fp8_dims("fp8_forward_matmul", x, w, "T, K, N", "pad the batch or run with --no-fp8")
+    return _Fp8ForwardMatmul.apply(x, w, x_s, w_s)
+
+
 def quantise_operands(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> tuple[Tensor, Tensor]:
     """The forward's e4m3 operands x8 [T, K], w8 [K, N] (strides as given; the GEMM that reads
     each one picks its layout with row_major / col_major)."""
@@ -489,10 +519,15 @@ class Fp8Matmuls(PlainMatmuls):
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)
-        elif which == "mlp_up":
-            out = fp8_matmul(x, w, amax_scale(x, E4M3), amax_scale(w, E4M3), None)
+            return out.to(x.dtype)
+        if which == "mlp_up":
+            x_s, w_s = amax_scale(x, E4M3), amax_scale(w, E4M3)
         else:
-            out = fp8_matmul(x, w, *self.mlp_down[layer].scales(x, w), None)
+            x_s, w_s = self.mlp_down[layer].scales(x, w)
+        if self.cfg.mlp_backward == "bf16":
+            out = fp8_forward_matmul(x, w, x_s, w_s)
+        else:
+            out = fp8_matmul(x, w, x_s, w_s, None)
         return out.to(x.dtype)
 
     def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
