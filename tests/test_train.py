@@ -126,8 +126,8 @@ def test_update_norms_show_each_steps_cadence(shard_dir, tmp_path):
     n-gram table; the losses equal a run without it (the probe changes nothing). Step 2 is even:
     the ANVIL banks move, the Adam parameters and the n-gram table do not (their gradients are
     held for the odd step); step 3 moves all three."""
-    assert train(micro_config(shard_dir, tmp_path, "plain", max_steps=5)) == 0
-    assert train(micro_config(shard_dir, tmp_path, "norms", max_steps=5, update_norm_steps=(2, 4))) == 0
+    assert train(micro_config(shard_dir, tmp_path, "plain", max_steps=4)) == 0
+    assert train(micro_config(shard_dir, tmp_path, "norms", max_steps=4, update_norm_steps=(2, 4))) == 0
     assert _losses(tmp_path / "norms") == _losses(tmp_path / "plain")
     lines = [r for r in MetricsLog.read(tmp_path / "norms") if r["kind"] == "update_norms"]
     assert [r["step"] for r in lines] == [2, 3] and all(r["stage"] == "A" for r in lines)
