@@ -29,7 +29,8 @@ ours - record among them (the parity criterion: ours <= the record's + 0.02 at e
 
 Output (loss_parity_<corpus>[_<variant>]_<date>.json): command {script, builder, record}, corpus,
 [variant,] corpus_tokens, val_tokens,
-val_tokens_per_forward, record_val_backend, boundaries, repeats_at_step, repeats {ours, record,
+val_tokens_per_forward, record_val_backend, boundaries, stage_start_validation (ours: "next" as
+the record, or "trained"), repeats_at_step, repeats {ours, record,
 token_count_bound}, val [{step, ours, record}] at the steps both validated,
 max_gap_before_repeat, max_gap_step, max_excess_before_repeat, transitions, train_gap,
 complete {ours, record},
@@ -365,6 +366,9 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "val_tokens": ours_val_tokens, "val_tokens_per_forward": T,
             "record_val_backend": rec_val.get("backend"),
             "boundaries": boundaries(shapes),
+            # "next": ours validated a stage's first step in the new stage's windows, as the
+            # record does; "trained": in the windows trained so far (those points differ in kind)
+            "stage_start_validation": cfg["schedule"].get("stage_start_validation", "trained"),
             "repeats_at_step": repeat_at, "repeats": repeats,
             "streams_differ_at_step": streams_differ_at,
             "val": points,

@@ -388,6 +388,7 @@ def test_loss_parity_pairs_common_steps_and_finds_the_gap_before_the_first_repea
     assert out["max_gap_before_repeat"] == pytest.approx(0.5) and out["max_gap_step"] == 2
     assert out["max_excess_before_repeat"] == {"gap": pytest.approx(0.5), "step": 2}
     assert out["train_gap"] is None  # a shuffled order: no two steps hold the same tokens
+    assert out["stage_start_validation"] == "trained"  # a run dir from before the setting
     assert out["complete"] == {"ours": True, "record": True}
     assert out["command"]["record"] == "run.sh loss ITERS=..."
 

@@ -141,6 +141,26 @@ def test_update_norms_show_each_steps_cadence(shard_dir, tmp_path):
         assert even[name][0] > 0.0 and odd[name][0] > 0.0, name
 
 
+def test_stage_start_validation_in_the_next_stages_windows(shard_dir, tmp_path):
+    """ScheduleConfig.stage_start_validation: the validation before stage B's first step (6) runs
+    with A's windows ("trained", ours) or B's, YaRN moved first ("next", the record's); every other
+    validation and every train loss are the same in both runs (validation changes no weight)."""
+    runs = {}
+    for mode in ("trained", "next"):
+        cfg = micro_config(shard_dir, tmp_path, mode, max_steps=7)
+        cfg.schedule = dataclasses.replace(cfg.schedule, val_every_steps=3, stage_start_validation=mode)
+        assert train(cfg) == 0
+        records = MetricsLog.read(tmp_path / mode)
+        runs[mode] = ({r["step"]: (r["ws_long"], r["val_loss"]) for r in records if r["kind"] == "val"},
+                      _losses(tmp_path / mode))
+    (trained, loss_t), (nxt, loss_n) = runs["trained"], runs["next"]
+    assert loss_t == loss_n and sorted(trained) == sorted(nxt) == [0, 3, 6, 7]
+    assert trained[6][0] == 128 and nxt[6][0] == 256 and trained[6][1] != nxt[6][1]
+    assert all(trained[s] == nxt[s] for s in (0, 3, 7))
+    with pytest.raises(ValueError, match="stage_start_validation='both': one of"):
+        dataclasses.replace(micro_config(shard_dir, tmp_path, "x").schedule, stage_start_validation="both")
+
+
 def test_resume_is_exact(shard_dir, tmp_path):
     assert train(micro_config(shard_dir, tmp_path, "full")) == 0
     assert train(micro_config(shard_dir, tmp_path, "first", max_steps=8)) == 0

@@ -119,6 +119,9 @@ SPEEDRUN_STAGES = (
 )
 
 
+STAGE_START_VALIDATIONS = ("trained", "next")  # ScheduleConfig.stage_start_validation
+
+
 @dataclass(slots=True, kw_only=True)
 class ScheduleConfig:
     stages: tuple[StageConfig, ...] = SPEEDRUN_STAGES
@@ -138,6 +141,11 @@ class ScheduleConfig:
     untie_step: int | None = None
     val_every_steps: int = 250  # validation before steps that are multiples of this, and at the end
     final_val_ws_long: int = 2560  # long window of the final validation (ws_short: last stage's)
+    # the validation before a stage's first step runs with: "trained" the windows and YaRN state
+    # trained so far (ours), "next" those of the stage about to start (the record's: its
+    # advance_schedule moves windows and YaRN before it validates; loss-parity runs use it so
+    # both trainers measure the same thing at the stage starts)
+    stage_start_validation: str = "trained"
 
     def __post_init__(self):
         self.stages = tuple(self.stages)
@@ -153,6 +161,9 @@ class ScheduleConfig:
             raise ValueError("stages: at least one stage must not be an extension")
         if len({stage.name for stage in self.stages}) != len(self.stages):
             raise ValueError("stages: stage names must be unique")
+        if self.stage_start_validation not in STAGE_START_VALIDATIONS:
+            raise ValueError(f"stage_start_validation={self.stage_start_validation!r}: one of "
+                             f"{STAGE_START_VALIDATIONS}")
         if not 0.0 <= self.cooldown_frac <= 1.0:
             raise ValueError(f"cooldown_frac={self.cooldown_frac} must be in [0, 1]")
         if not 1 <= self.ngram_cycle <= MAX_CYCLE_STEPS:

@@ -8,7 +8,8 @@
 #   carry [".carry/tiktoken", "data/embedded-large"]
 # Each variant is `track_1_short.train --preset small-gpu --graphs on` on data/embedded-large (the
 # mixed corpus the record curve was measured on), validation every 10 steps on the record's
-# tokens, train objective every step, cut after MAX_STEPS (default 110: the points before the data
+# tokens (at a stage's first step in the new stage's windows, as the record: --set
+# schedule.stage_start_validation=next), train objective every step, cut after MAX_STEPS (default 110: the points before the data
 # repeats at step 107), then bench/loss_parity.py build --variant NAME ->
 # $OUT/loss_parity_embedded-large_NAME_<date>.json.
 #   (the variants and their flags: scripts/gpu/loss_variants.sh)
@@ -41,6 +42,7 @@ train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with th
   timeout -k 15 "$limit" python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" \
       --graphs on --val-every 10 --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ" \
       --runs-dir "$OUT/runs" --no-save-final --log-every 1 --max-steps "$MAX_STEPS" \
+      --set schedule.stage_start_validation=next \
       --run-id "$v" "$@" ${EXTRA_FLAGS:-} > "$L/$v.log" 2>&1
   rc=$?
   python3 bench/loss_parity.py build --ours "$OUT/runs/$v" --record "$RECORD" --data-dir "$DATA" \

@@ -14,6 +14,9 @@
 #   compile; eager bf16 numerics in its validation, PATCHES.md);
 # - ours, `track_1_short.train --preset small-gpu --graphs on` on the same shards, validation every
 #   10 steps on the same tokens (the same val shard, 6 batches of 32,768 = the first 196,608 + 1),
+#   at a stage's first step in the new stage's windows and YaRN state as the record validates
+#   (--set schedule.stage_start_validation=next; runs before 2026-12-02 validated steps 60, 120
+#   and 180 in the windows trained so far),
 #   the train objective logged every step (the stage transitions); MAX_STEPS=N cuts ours after N
 #   steps of the same schedule (--max-steps: only the keys and validation windows of those steps
 #   compile), e.g. MAX_STEPS=110 for the points before the data repeats (step ~103-107 on
@@ -55,7 +58,7 @@ id=small-gpu-parity
 ours=(python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" --graphs on
       --val-every "$VAL_EVERY" --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ"
       --runs-dir "$OUT/runs" --no-save-final --log-every 1 ${MAX_STEPS:+--max-steps "$MAX_STEPS"}
-      "${VARIANT_ARGS[@]}")
+      --set schedule.stage_start_validation=next "${VARIANT_ARGS[@]}")
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
 if [[ "$MODE" == warmup ]]; then

@@ -35,20 +35,24 @@ from track_1_short.trainer.update_norms import UpdateNorms, model_tensors
 
 # ---------------------------------------------------------------- validation
 
-def _trained_at(spec: RunSpec, step: int) -> StepPlan:
-    """The plan of the last step trained before a validation at `step` (step 0: the first): its
-    stage's YaRN state is the live one."""
+def _validated_at(spec: RunSpec, step: int) -> StepPlan:
+    """The plan whose windows and YaRN state the validation before `step` runs in: the last step
+    trained before it (step 0: the first), or with ScheduleConfig.stage_start_validation "next"
+    the step about to train (the two differ only at a stage's first step). After the last step:
+    the last one."""
+    if step < spec.num_steps and spec.cfg.schedule.stage_start_validation == "next":
+        return spec.plans[step]
     return spec.plans[max(min(step, spec.num_steps) - 1, 0)]
 
 
 def validation_windows(spec: RunSpec, step: int) -> tuple[int, int]:
-    """(ws_short, ws_long) of the validation before `step` trains: the windows the model has been
-    trained at so far (_trained_at). After the last step (step == num_steps): the schedule's final
-    windows (an extension of the long window at the last stage's YaRN state), or the last step's
-    if --max-steps cut the run short."""
+    """(ws_short, ws_long) of the validation before `step` trains: those of _validated_at (the
+    windows trained so far, or at a stage's first step with "next" the new stage's). After the
+    last step (step == num_steps): the schedule's final windows (an extension of the long window
+    at the last stage's YaRN state), or the last step's if --max-steps cut the run short."""
     if step >= spec.num_steps and spec.num_steps == spec.schedule.num_steps:
         return spec.schedule.final_validation_windows()
-    plan = _trained_at(spec, step)
+    plan = _validated_at(spec, step)
     return plan.ws_short, plan.ws_long
 
 
@@ -59,13 +63,17 @@ def validation_stages(spec: RunSpec) -> dict[int, set[tuple[int, int]]]:
     if not spec.cfg.train.validation:
         return out
     for step in [p.step for p in spec.plans if p.validate] + [spec.num_steps]:
-        out.setdefault(_trained_at(spec, step).stage_index, set()).add(validation_windows(spec, step))
+        out.setdefault(_validated_at(spec, step).stage_index, set()).add(validation_windows(spec, step))
     return out
 
 
 def validate(run: Run, step: int) -> float:
-    """The validation before `step` trains (step == num_steps: the final one), logged."""
+    """The validation before `step` trains (step == num_steps: the final one), logged. With
+    stage_start_validation "next" at a stage's first step, YaRN moves to the new stage's window
+    first (train_step's own call then finds it there)."""
     ws_short, ws_long = validation_windows(run.spec, step)
+    if step < run.spec.num_steps and run.spec.cfg.schedule.stage_start_validation == "next":
+        run.parts.model.set_yarn_window(run.spec.plans[step].ws_long)
     with counting_compiles(run.log.compiles, "validation"):
         val = evaluate(run.spec, run.parts, run.val_tokens, ws_short, ws_long)
     progress = run.progress
