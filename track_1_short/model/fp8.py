@@ -126,9 +126,8 @@ Deviations from HEAD:
 - Quantisation and the transposed layouts are inductor-generated kernels from traced code
   instead of HEAD's hand-written fused Triton quantise+transpose kernels (except the fused fp8
   lm-head loss's gradient: kernels/fp8_quantise.py).
-- lm head grad_s = 0.75/448 without HEAD's grad_scale (= 1/grad_accum) factor: on one GPU the
-  trainer's 1/micro_steps loss scale shifts the gradients 3 octaves down inside e5m2's range
-  (normals from 2^-14) instead of rescaling them.
+- The MLP sites' backward is fp8 too by default (Fp8Config.mlp_backward = "fp8"); HEAD's stays
+  bf16 ("bf16" here).
 
 Legend: T tokens, K inner dim, N output dim, D model dim, F MLP hidden.
 """
@@ -322,11 +321,15 @@ class _Fp8ForwardMatmul(torch.autograd.Function):
 def fp8_forward_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> Tensor:
     """x [T, K] @ w [K, N] -> bf16 [T, N]: the forward in fp8 (fp8_matmul's), the backward as x @ w's
     in x's dtype. T, K, N multiples of 16 (ValueError otherwise)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"fp8_forward_matmul: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} "
-                         f"@ {tuple(w.shape)}")
-    check_fp8_dims("fp8_forward_matmul", x, w, "T, K, N", "pad the batch or run with --no-fp8")
+    _check_matmul_operands("fp8_forward_matmul", x, w)
     return _Fp8ForwardMatmul.apply(x, w, x_s, w_s)
+
+
+def _check_matmul_operands(where: str, x: Tensor, w: Tensor) -> None:
+    """ValueError naming `where` unless x [T, K] @ w [K, N] with T, K, N multiples of 16."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"{where}: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} @ {tuple(w.shape)}")
+    check_fp8_dims(where, x, w, "T, K, N", "pad the batch or run with --no-fp8")
 
 
 def quantise_operands(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor) -> tuple[Tensor, Tensor]:
@@ -373,9 +376,7 @@ def fp8_matmul(x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor,
     """x [T, K] @ w [K, N] -> bf16 [T, N] in fp8 (differentiable in x and w). Scales are float32
     0-d tensors on x's device in their own storage; grad_s None = current amax of the gradient.
     T, K, N must be multiples of 16 (ValueError otherwise)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
-        raise ValueError(f"fp8_matmul: x [T, K] @ w [K, N] expected, got {tuple(x.shape)} @ {tuple(w.shape)}")
-    check_fp8_dims("fp8_matmul", x, w, "T, K, N", "pad the batch or run with --no-fp8")
+    _check_matmul_operands("fp8_matmul", x, w)
     return _Fp8Matmul.apply(x, w, x_s, w_s, grad_s)
 
 
@@ -519,15 +520,11 @@ class Fp8Matmuls(PlainMatmuls):
             return x @ w.to(x.dtype)
         if which == "lm_head":
             out = fp8_matmul(x, w, self.lm_head_x_scale, self.lm_head_w_scale, self.lm_head_grad_scale)
-            return out.to(x.dtype)
-        if which == "mlp_up":
-            x_s, w_s = amax_scale(x, E4M3), amax_scale(w, E4M3)
         else:
-            x_s, w_s = self.mlp_down[layer].scales(x, w)
-        if self.cfg.mlp_backward == "bf16":
-            out = fp8_forward_matmul(x, w, x_s, w_s)
-        else:
-            out = fp8_matmul(x, w, x_s, w_s, None)
+            x_s, w_s = ((amax_scale(x, E4M3), amax_scale(w, E4M3)) if which == "mlp_up"
+                        else self.mlp_down[layer].scales(x, w))
+            out = (fp8_forward_matmul(x, w, x_s, w_s) if self.cfg.mlp_backward == "bf16"
+                   else fp8_matmul(x, w, x_s, w_s, None))
         return out.to(x.dtype)
 
     def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
