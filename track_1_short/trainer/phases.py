@@ -68,12 +68,12 @@ def validation_stages(spec: RunSpec) -> dict[int, set[tuple[int, int]]]:
 
 
 def validate(run: Run, step: int) -> float:
-    """The validation before `step` trains (step == num_steps: the final one), logged. With
-    stage_start_validation "next" at a stage's first step, YaRN moves to the new stage's window
-    first (train_step's own call then finds it there)."""
+    """The validation before `step` trains (step == num_steps: the final one), logged. YaRN first
+    serves _validated_at's window: a no-op except with stage_start_validation "next" at a stage's
+    first step, where it moves to the new stage's (train_step's own call then finds it there)."""
     ws_short, ws_long = validation_windows(run.spec, step)
-    if step < run.spec.num_steps and run.spec.cfg.schedule.stage_start_validation == "next":
-        run.parts.model.set_yarn_window(run.spec.plans[step].ws_long)
+    if step < run.spec.num_steps:
+        run.parts.model.set_yarn_window(_validated_at(run.spec, step).ws_long)
     with counting_compiles(run.log.compiles, "validation"):
         val = evaluate(run.spec, run.parts, run.val_tokens, ws_short, ws_long)
     progress = run.progress
@@ -182,16 +182,17 @@ def timed_run(run: Run, start_step: int) -> None:
                 validate(run, step)
         if profiler is not None:
             profiler.before(step)
-        if norms is not None and norms.probes(step):
+        probe = norms is not None and norms.probes(step)
+        if probe:
             with clock.paused():
-                norms.before(step)
+                norms.before()
         log.timer.start(step)
         with counting_compiles(log.compiles, "timed"), log.syncs.count(step):
             loss_t = train_step(spec, run.parts, step, progress.loader, log.timer)
         log.timer.stop(step)
-        if norms is not None and norms.probes(step):
+        if probe:
             with clock.paused():
-                moved = norms.after(step)
+                moved = norms.after()
             if spec.ctx.is_main:
                 log.metrics.log(kind="update_norms", step=step, stage=plan.stage, norms=moved)
         tokens += spec.micro_steps * plan.tokens_per_rank  # per rank, since start_step

@@ -17,7 +17,8 @@ the differences take as much again while they are reduced) and one host sync aft
 the step's timer and the run's clock; steps outside the window pay nothing. A diagnostic for loss
 runs, not for timing runs.
 
-Call order (trainer/phases.timed_run): before(step) -> train_step -> after(step) -> metrics.
+Call order (trainer/phases.timed_run), for the steps where probes(step): before() -> train_step ->
+after() -> metrics.
 """
 
 from __future__ import annotations
@@ -38,22 +39,20 @@ class UpdateNorms:
         self._before: dict[str, Tensor] | None = None
 
     def probes(self, step: int) -> bool:
+        """Whether `step` is in the window (the caller runs before / after around it)."""
         return self.start <= step < self.end
 
     @torch.no_grad()
-    def before(self, step: int) -> None:
-        """Copy every tensor before `step` trains (nothing outside the window)."""
-        if self.probes(step):
-            self._before = {name: t.detach().clone() for name, t in self.tensors.items()}
+    def before(self) -> None:
+        """Copy every tensor before a probed step trains."""
+        self._before = {name: t.detach().clone() for name, t in self.tensors.items()}
 
     @torch.no_grad()
-    def after(self, step: int) -> dict[str, list[float]] | None:
-        """{name: [update_rms, param_rms]} of `step` (after its train_step), None outside the
-        window. One host sync (the stacked values)."""
-        if not self.probes(step):
-            return None
+    def after(self) -> dict[str, list[float]]:
+        """{name: [update_rms, param_rms]} of the step since before(). One host sync (the
+        stacked values)."""
         if self._before is None:
-            raise RuntimeError(f"UpdateNorms.after({step}) without before({step})")
+            raise RuntimeError("UpdateNorms.after() without before()")
         rows = []
         for name, t in self.tensors.items():
             now = t.detach().float()
