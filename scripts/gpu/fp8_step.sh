@@ -67,12 +67,14 @@ step_variant() {  # NAME LIMIT_S FLAGS...
   timeout -k 10 "$limit" python3 bench/step.py --stage "$STAGE" --steps 20 --graphs on --micro-steps 8 \
       --data-dir "$DATA" "$@" --out "$OUT/step_${STAGE}_$v.json" > "$L/step_${STAGE}_$v.log" 2>&1
 }
-if [[ " $VARIANTS " =~ \ (fa4|quack_mlp|fa4_quack|fa4_fp8_head|fast|fast_head_mudd)\  ]]; then  # the package, then its kernels' GPU tests
+all_flags=""  # every variant's flags: which packages and GPU tests the call needs follows from them
+for v in $VARIANTS; do all_flags+=" $(variant_flags "$v")" || exit 2; done
+if [[ $all_flags == *attention_backend=fa4* || $all_flags == *mlp_kernel=quack* ]]; then  # the package, then its kernels' GPU tests
   use_fa4_packages
   run_gpu_tests "$L/fa4_quack_gpu_tests.log" 240 tests/test_relu2_mlp_gpu.py tests/test_attention_gpu.py \
       -k "fa4 or quack"
 fi
-if [[ " $VARIANTS " =~ \ (fp8_all|fp8_head|fa4_fp8_head|fast|fast_head_mudd)\  ]]; then  # the fp8 head loss's GPU tests first
+if [[ $all_flags == *fp8.enabled=true* ]]; then  # the fp8 GPU tests first (the head loss, the MLP's bf16 backward)
   run_gpu_tests "$L/softcap_ce_fp8_gpu_tests.log" 180 -s tests/test_softcap_ce_fp8_gpu.py \
       tests/test_fp8_gpu.py::test_mlp_bf16_backward_under_inductor_is_the_plain_backward
 fi
