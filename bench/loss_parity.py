@@ -52,14 +52,35 @@ batch on both sides): per stage, over its steps before the first repeat and the 
 difference that both logged, {stage, steps [first, last + 1), mean, sd, max, max_step} of
 ours - record; null when the streams differ from step 0 (a shuffled order).
 
+Pooled (`pool`, loss_parity_<corpus>[_<variant>]_pooled_<date>.json): several runs of each
+side on the same tokens (the same configuration, checked: ours by config.json less the run's name
+and diagnostics, the record by its harness settings less OUT_DIR), because one run per side
+cannot decide a 0.02 criterion: two runs of one trainer on the same tokens differ by up to
+0.04-0.05 in validation and by 0.1-0.2 in the train objective right after the A -> B boundary
+(measured 2026-12-02, docs/results/README.md). Each run is checked against the other side as
+`build` checks one pair. Fields: command, corpus, [variant,] runs {ours, record} (the inputs as
+given), n {ours, record}, repeats_at_step, streams_differ_at_step, val [{step, ours, record, gap,
+ours_runs, record_runs}] (ours / record: the side's mean, gap = their difference),
+run_to_run_sd {val {ours, record}, train {ours, record}} (pooled over the points before the
+repeat: sqrt(sum over steps and runs of (x - the step's side mean)^2 / (steps x (n - 1))); null
+for a side of one run; train: per stage as train_gap's stages), gap_se (the standard error of a
+gap of means: sqrt(sd_ours^2 / n_ours + sd_record^2 / n_record), null without both sd),
+max_excess_before_repeat {gap, step} (of the mean gap), over_margin_before_repeat (the steps whose
+mean gap exceeds PARITY_MARGIN), train_gap (train_gap of the two mean curves), train_spread
+{ours, record} ({step, spread}: the largest max - min over one side's runs at one step on the
+same tokens), transitions [{step, ours [jump per run], record [jump per run]}].
+
 Subcommands:
   build        the JSON above (scripts/gpu/loss_parity.sh after both runs)
+  pool         the pooled JSON from several runs of each side (one --ours / --record per run)
   anchor-args  the record harness's KEY=VALUE settings that reproduce a preset's schedule, its
                Muon momentum ramp and our validation tokens on a data dir, one line, for run.sh
                (refused if the preset's stages are not the record's thirds + one extension)
 
 Run: PYTHONPATH=. python bench/loss_parity.py build --ours OUT/runs/small-gpu-parity \\
          --record OUT/anchor --data-dir data/embedded-large --out-dir docs/results
+     PYTHONPATH=. python bench/loss_parity.py pool --ours RUN1 --ours RUN2 \\
+         --record LOSS1.jsonl --record LOSS2.jsonl --data-dir data/embedded-large --variant NAME
      PYTHONPATH=. python bench/loss_parity.py anchor-args --preset small-gpu \\
          --data-dir data/embedded-large --val-every 10
 """
@@ -82,6 +103,10 @@ from track_1_short.data import (BOS_ID, HEADER_BYTES, DataError, SliceShape, Tra
                                 num_val_slices, read_header)
 
 RECORD_MICRO_STEPS = 8  # the harness runs at world size 1: grad_accum_steps 8
+PARITY_MARGIN = 0.02  # the criterion: ours <= the record's + this at every validation before the repeat
+# config.json keys that name a run or add a diagnostic without changing its training (pool)
+OURS_RUN_KEYS = ("train.run_id", "train.runs_dir", "train.update_norm_steps")
+RECORD_RUN_KEYS = ("out_dir", "cmdline")  # the harness's run.config keys of the same kind
 UNBOUNDED_ROWS = 1 << 30  # cu_seqlens capacity for walking the stream (no key is built)
 
 
@@ -382,6 +407,115 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
 
 
+# ---------------------------------------------------------------- pool
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def same_configuration(what: str, configs: list[tuple[str, dict]], ignore: tuple[str, ...]) -> None:
+    """InputError naming the first key in which a run's configuration differs from the first's."""
+    (first_src, first), *rest = [(src, _flat(c)) for src, c in configs]
+    for src, cfg in rest:
+        for key in sorted(set(first) | set(cfg)):
+            if key not in ignore and first.get(key) != cfg.get(key):
+                raise InputError(f"{what} runs to pool differ in {key}: {first.get(key)!r} ({first_src}) "
+                                 f"vs {cfg.get(key)!r} ({src}); pool only repeats of one configuration")
+
+
+def run_to_run_sd(runs: list[dict[int, float]], steps: list[int]) -> float | None:
+    """The pooled sd of one side's runs about their per-step mean over steps (module docstring);
+    None for one run or no step."""
+    if len(runs) < 2 or not steps:
+        return None
+    x = np.array([[r[s] for s in steps] for r in runs])  # [runs, steps]
+    return float(np.sqrt(((x - x.mean(0)) ** 2).sum() / (len(steps) * (len(runs) - 1))))
+
+
+def mean_curve(runs: list[dict[int, float]]) -> dict[int, float]:
+    """step -> the mean over runs, at the steps every run has."""
+    common = set.intersection(*(set(r) for r in runs))
+    return {s: float(np.mean([r[s] for r in runs])) for s in sorted(common)}
+
+
+def largest_spread(runs: list[dict[int, float]], until: int | None) -> dict | None:
+    """{step, spread}: the largest max - min over runs at one step < until; None for one run."""
+    steps = [s for s in mean_curve(runs) if until is None or s < until]
+    if len(runs) < 2 or not steps:
+        return None
+    spread = {s: max(r[s] for r in runs) - min(r[s] for r in runs) for s in steps}
+    worst = max(spread, key=spread.get)
+    return {"step": worst, "spread": spread[worst]}
+
+
+def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus_name: str,
+         script: str | None) -> dict:
+    # every run against the other side's first, as build checks a pair (corpus, schedule, val set)
+    pairs = ([build(o, record_paths[0], data_dir, corpus_name, script) for o in ours_dirs]
+             + [build(ours_dirs[0], r, data_dir, corpus_name, script) for r in record_paths[1:]])
+    ours = [load_ours(o) for o in ours_dirs]
+    records = [load_record(r) for r in record_paths]
+    same_configuration("our", [(str(Path(o) / "config.json"), run[0]) for o, run in zip(ours_dirs, ours)],
+                       OURS_RUN_KEYS)
+    same_configuration("the record's", [(str(path), {"upstream": summary.get("upstream"),
+                                                     "config": (summary.get("run") or {}).get("config") or {}})
+                                        for _, summary, path in records],
+                       tuple(f"config.{k}" for k in RECORD_RUN_KEYS))
+    repeat_at, differ_at = pairs[0]["repeats_at_step"], pairs[0]["streams_differ_at_step"]
+    ours_val = [{r["step"]: r["val_loss"] for r in run[1]} for run in ours]
+    rec_val = [{r["step"]: r["val_loss"] for r in curve["val_curve"]} for curve, _, _ in records]
+    o_mean, r_mean = mean_curve(ours_val), mean_curve(rec_val)
+    steps = sorted(set(o_mean) & set(r_mean))
+    before = [s for s in steps if repeat_at is None or s <= repeat_at]
+    sd = {"ours": run_to_run_sd(ours_val, before), "record": run_to_run_sd(rec_val, before)}
+    se = (float(np.sqrt(sd["ours"] ** 2 / len(ours) + sd["record"] ** 2 / len(records)))
+          if None not in sd.values() else None)
+    val = [{"step": s, "ours": o_mean[s], "record": r_mean[s], "gap": o_mean[s] - r_mean[s],
+            "ours_runs": [v[s] for v in ours_val], "record_runs": [v[s] for v in rec_val]} for s in steps]
+    gaps = {p["step"]: p["gap"] for p in val if p["step"] in before}
+    worst = max(gaps, key=gaps.get, default=None)
+
+    shapes = stage_shapes(ours[0][0]["schedule"]["stages"])
+    bounds, names = boundaries(shapes), [s.name for s in shapes]
+    o_train = [run[2] for run in ours]
+    r_train = [record_train_losses(Path(curve["source"])) for curve, _, _ in records]
+    same_until = [s for s in (repeat_at, differ_at) if s is not None]
+    until = min(same_until) if same_until else None
+
+    def train_sd(runs: list[dict[int, float]]) -> list[dict] | None:
+        common = mean_curve(runs)
+        out = []
+        for name, (start, end) in zip(names, bounds):
+            stage_steps = [s for s in range(start, end if until is None else min(end, until)) if s in common]
+            value = run_to_run_sd(runs, stage_steps)
+            if value is not None:
+                out.append({"stage": name, "steps": [stage_steps[0], stage_steps[-1] + 1], "sd": value})
+        return out or None
+
+    trans = [{"step": b, "ours": [(transition(r, b) or {}).get("jump") for r in o_train],
+              "record": [(transition(r, b) or {}).get("jump") for r in r_train]}
+             for b, _ in bounds[1:] if repeat_at is None or b + TRANSITION_WINDOW <= repeat_at]
+    return {"command": {"script": script, "builder": builder_command()}, "corpus": corpus_name,
+            "runs": {"ours": [str(o) for o in ours_dirs], "record": [str(r) for r in record_paths]},
+            "n": {"ours": len(ours), "record": len(records)},
+            "repeats_at_step": repeat_at, "streams_differ_at_step": differ_at,
+            "val": val,
+            "run_to_run_sd": {"val": sd, "train": {"ours": train_sd(o_train), "record": train_sd(r_train)}},
+            "gap_se": se,
+            "max_excess_before_repeat": {"gap": gaps[worst], "step": worst} if worst is not None else None,
+            "over_margin_before_repeat": [s for s in before if gaps[s] > PARITY_MARGIN],
+            "train_gap": (train_gap(mean_curve(o_train), mean_curve(r_train), bounds, names, until)
+                          if until != 0 else None),
+            "train_spread": {"ours": largest_spread(o_train, until), "record": largest_spread(r_train, until)},
+            "transitions": trans}
+
+
 # ---------------------------------------------------------------- anchor-args
 
 def anchor_args(preset: str, data_dir: Path, val_every: int, val_tokens_per_batch: int | None,
@@ -422,6 +556,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="our run's variant (an ablation's name): in the file name, "
                         "loss_parity_<corpus>_<variant>_<date>.json, and as `variant`")
     add_output_args(b)
+    q = sub.add_parser("pool", help="the pooled loss-parity JSON from several runs of each side")
+    q.add_argument("--ours", type=Path, action="append", required=True, metavar="RUN_DIR",
+                   help="one of our run dirs (repeat the flag per run)")
+    q.add_argument("--record", type=Path, action="append", required=True, metavar="LOSS_JSONL",
+                   help="one of the harness's loss.jsonl or OUT_DIR (repeat the flag per run)")
+    q.add_argument("--data-dir", type=Path, required=True, help="the shards every run trained on")
+    q.add_argument("--corpus", default=None, help="corpus name for the file name (default: the data dir's)")
+    q.add_argument("--variant", default=None, help="our runs' variant, in the file name and as `variant`")
+    add_output_args(q)
     a = sub.add_parser("anchor-args", help="run.sh KEY=VALUE settings matching a preset")
     a.add_argument("--preset", default="small-gpu", choices=config_mod.PRESETS)
     a.add_argument("--data-dir", type=Path, required=True)
@@ -438,11 +581,20 @@ def main(argv: list[str] | None = None) -> int:
                           args.val_tokens))
         return 0
     name = args.corpus or args.data_dir.resolve().name
+    stem = f"loss_parity_{name}" + (f"_{args.variant}" if args.variant else "")
+    if args.command == "pool":
+        result = pool(args.ours, args.record, args.data_dir, name, args.script)
+        if args.variant:
+            result["variant"] = args.variant
+        write_result(args.out_dir, f"{stem}_pooled_{args.date or today()}.json", result)
+        excess, sd = result["max_excess_before_repeat"] or {}, result["run_to_run_sd"]["val"]
+        print(f"{result['n']} runs; run-to-run val sd ours {sd['ours']} record {sd['record']}, gap se "
+              f"{result['gap_se']}; largest mean excess {excess.get('gap')} at step {excess.get('step')}; "
+              f"over +{PARITY_MARGIN} at {result['over_margin_before_repeat']}")
+        return 0
     result = build(args.ours, args.record, args.data_dir, name, args.script)
-    stem = f"loss_parity_{name}"
     if args.variant:
         result["variant"] = args.variant
-        stem += f"_{args.variant}"
     write_result(args.out_dir, f"{stem}_{args.date or today()}.json", result)
     excess = result["max_excess_before_repeat"] or {}
     print(f"repeats at step {result['repeats_at_step']} ({result['repeats']}); max gap before it "

@@ -334,14 +334,17 @@ def test_file_order_gives_the_records_token_stream_and_a_shard_tail_breaks_it(tm
 
 
 def _our_run(run_dir: Path, data_dir: Path, val: dict[int, float], stages=((3, 127), (3, 127)),
-             summary: bool = True) -> Path:
+             summary: bool = True, shuffle: bool = True, train: dict[int, float] | None = None,
+             train_cfg: dict | None = None) -> Path:
     run_dir.mkdir(parents=True)
-    cfg = {"preset": "test", "data": {"data_dir": str(data_dir), "seed": 0, "shuffle": True, "slices_per_step": 8,
+    cfg = {"preset": "test", "data": {"data_dir": str(data_dir), "seed": 0, "shuffle": shuffle, "slices_per_step": 8,
                                       "micro_steps": None, "val_tokens": 10_485_760, "val_tokens_per_batch": 64},
            "schedule": {"stages": [{"name": n, "num_steps": steps, "tokens_per_rank": t, "max_seq_len": 64}
-                                   for n, (steps, t) in zip("AB", stages)]}}
+                                   for n, (steps, t) in zip("AB", stages)]},
+           "train": {"run_id": run_dir.name, **(train_cfg or {})}}
     (run_dir / "config.json").write_text(json.dumps(cfg))
-    lines = [{"kind": "train", "step": 0, "loss": 11.0, "train_time_s": 0.1, "epoch": 0}]
+    lines = [{"kind": "train", "step": s, "loss": v, "train_time_s": 0.1, "epoch": 0}
+             for s, v in (train or {0: 11.0}).items()]
     lines += [{"kind": "val", "step": s, "val_loss": v, "train_time_s": 1.0 * s} for s, v in val.items()]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     if summary:
@@ -350,14 +353,18 @@ def _our_run(run_dir: Path, data_dir: Path, val: dict[int, float], stages=((3, 1
 
 
 def _record_run(out_dir: Path, data_dir: Path, val: dict[int, float], boundaries=((0, 3), (3, 6)),
-                train_tokens: int = 5000, val_tokens: int = 256) -> Path:
+                train_tokens: int = 5000, val_tokens: int = 256, train: dict[int, float] | None = None,
+                settings: dict | None = None) -> Path:
+    """The harness's loss.jsonl / loss.json; train: 0-based step -> train objective (written as
+    the harness's 1-based `step`); settings: its run.config (ITERS, OUT_DIR, ...)."""
     out_dir.mkdir(parents=True)
     lines = [{"kind": "warmup", "step": 0, "stage": 0, "total_s": 100.0}]
+    lines += [{"kind": "train", "step": s + 1, "train_loss": v} for s, v in (train or {}).items()]
     lines += [{"kind": "val", "step": s, "val_loss": v, "train_time_ms": 10.0 * s, "ws": [1, 3]}
               for s, v in val.items()]
     (out_dir / "loss.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     (out_dir / "loss.json").write_text(json.dumps({
-        "mode": "loss", "run": {"command": "run.sh loss ITERS=..."}, "status": "complete",
+        "mode": "loss", "run": {"command": "run.sh loss ITERS=...", "config": settings or {}}, "status": "complete",
         "schedule": {"boundaries": [list(b) for b in boundaries]},
         "val": {"files": [str(data_dir / "x_val_000000.bin")], "tokens": val_tokens, "tokens_per_forward": 64,
                 "backend": "aot_eager"},
@@ -480,6 +487,68 @@ def test_loss_parity_names_missing_or_wrong_inputs(tmp_path, capsys):
     assert "anchor/loss.json does not exist" in capsys.readouterr().err
     assert _loss_parity(tmp_path, ours, RECORD_LOSS, tmp_path / "no_data") == 2
     assert "--data-dir: data dir" in capsys.readouterr().err
+
+
+def _pool(tmp_path: Path, ours: list[Path], records: list[Path], data: Path) -> int:
+    return loss_parity.run_main("loss_parity", loss_parity.main, [
+        "pool", *[a for o in ours for a in ("--ours", str(o))], *[a for r in records for a in ("--record", str(r))],
+        "--data-dir", str(data), "--variant", "v", "--date", "2026-12-02", "--out-dir", str(tmp_path / "out")])
+
+
+def test_pool_compares_the_mean_curves_and_measures_each_sides_run_to_run_spread(tmp_path):
+    """Two runs a side in file order (the same tokens until the repeat at step 3): the gap of the
+    means, each side's pooled run-to-run sd over the points before the repeat, the gap's standard
+    error, the train objective's mean-curve gap and largest spread; runs that differ only in their
+    name and a diagnostic pool."""
+    data = _corpus(tmp_path / "tiny", [50])
+    ours = [_our_run(tmp_path / "o1", data, {0: 10.0, 2: 8.0, 4: 6.0}, shuffle=False,
+                     train={0: 11.0, 1: 10.0, 2: 9.0}),
+            _our_run(tmp_path / "o2", data, {0: 10.2, 2: 8.2, 4: 6.4}, shuffle=False,
+                     train={0: 11.2, 1: 10.0, 2: 9.4}, train_cfg={"update_norm_steps": [1, 2]})]
+    records = [_record_run(tmp_path / f"r{i}", data, val, train={0: 11.0, 1: 10.1, 2: 9.1},
+                           settings={"iters": 6, "out_dir": f"/out/{i}"})
+               for i, val in enumerate(({0: 10.1, 2: 7.9, 4: 6.2}, {0: 10.1, 2: 8.1, 4: 6.0}))]
+    assert _pool(tmp_path, ours, records, data) == 0
+    out = json.loads((tmp_path / "out" / "loss_parity_tiny_v_pooled_2026-12-02.json").read_text())
+    assert out["n"] == {"ours": 2, "record": 2} and out["variant"] == "v"
+    assert out["repeats_at_step"] == 3 and out["streams_differ_at_step"] is None
+    assert [(p["step"], p["ours"], p["record"]) for p in out["val"]] == [
+        (0, pytest.approx(10.1), pytest.approx(10.1)), (2, pytest.approx(8.1), pytest.approx(8.0)),
+        (4, pytest.approx(6.2), pytest.approx(6.1))]
+    assert out["val"][1]["ours_runs"] == [8.0, 8.2] and out["val"][1]["record_runs"] == [7.9, 8.1]
+    # steps 0 and 2 (before the repeat): ours deviates by 0.1 at both, the record at step 2 only
+    sd = out["run_to_run_sd"]["val"]
+    assert sd["ours"] == pytest.approx(0.02 ** 0.5) and sd["record"] == pytest.approx(0.1)
+    assert out["gap_se"] == pytest.approx(0.015 ** 0.5)
+    assert out["max_excess_before_repeat"] == {"gap": pytest.approx(0.1), "step": 2}
+    assert out["over_margin_before_repeat"] == [2]  # step 4's +0.1 is after the repeat
+    assert out["train_gap"] == [{"stage": "A", "steps": [0, 3], "mean": pytest.approx(0.1 / 3),
+                                 "sd": pytest.approx(0.0943, abs=1e-4), "max": pytest.approx(0.1), "max_step": 0}]
+    assert out["run_to_run_sd"]["train"]["record"] == [{"stage": "A", "steps": [0, 3], "sd": pytest.approx(0.0)}]
+    assert out["run_to_run_sd"]["train"]["ours"][0]["sd"] == pytest.approx(((0.02 + 0.08) / 3) ** 0.5)
+    assert out["train_spread"]["ours"] == {"step": 2, "spread": pytest.approx(0.4)}
+    assert out["transitions"] == []  # the window after step 3 lies past the repeat
+    assert out["runs"]["ours"] == [str(o) for o in ours]
+
+
+def test_pool_of_one_run_a_side_has_no_spread_and_refuses_runs_of_two_configurations(tmp_path, capsys):
+    data = _corpus(tmp_path / "tiny", [50])
+    one = _our_run(tmp_path / "o1", data, {0: 10.0, 2: 8.0})
+    record = _record_run(tmp_path / "r1", data, {0: 10.1, 2: 7.9})
+    assert _pool(tmp_path, [one], [record], data) == 0
+    out = json.loads((tmp_path / "out" / "loss_parity_tiny_v_pooled_2026-12-02.json").read_text())
+    assert out["run_to_run_sd"]["val"] == {"ours": None, "record": None} and out["gap_se"] is None
+    assert out["train_gap"] is None and out["train_spread"] == {"ours": None, "record": None}
+    other_seed = _our_run(tmp_path / "o2", data, {0: 10.0, 2: 8.0}, train_cfg={"seed": 1})
+    assert _pool(tmp_path, [one, other_seed], [record], data) == 2
+    err = capsys.readouterr().err
+    assert "our runs to pool differ in train.seed: None" in err and "o2/config.json" in err
+    r2 = _record_run(tmp_path / "r2", data, {0: 10.1, 2: 7.9}, settings={"iters": 9})
+    r3 = _record_run(tmp_path / "r3", data, {0: 10.1, 2: 7.9}, settings={"iters": 6})
+    assert _pool(tmp_path, [one], [r2, r3], data) == 2
+    assert "the record's runs to pool differ in config.iters: 9" in capsys.readouterr().err
+    assert _pool(tmp_path, [one], [tmp_path / "nowhere"], data) == 2  # each run checked as build does
+    assert "nowhere does not exist" in capsys.readouterr().err
 
 
 def test_anchor_args_reproduce_a_preset_schedule_and_our_validation_tokens(tmp_path, capsys):
