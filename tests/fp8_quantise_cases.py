@@ -31,11 +31,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from track_1_short.kernels.fp8_quantise import (QuantiseLaunch, col_major_copy,  # noqa: E402
-                                                interpreted, quantise_both_layouts,
-                                                quantise_both_layouts_op,
+from track_1_short.kernels.fp8_quantise import (QuantiseLaunch, interpreted,  # noqa: E402
+                                                quantise_both_layouts, quantise_both_layouts_op,
                                                 quantise_both_layouts_reference)
-from track_1_short.model.fp8 import E4M3, E5M2, FP8_MAX, col_major  # noqa: E402
+from track_1_short.model.fp8 import E4M3, E5M2, FP8_MAX  # noqa: E402
 
 # 16 x 32 tiles: R = 37, C = 70 take 3 x 3 programs, the last row and column of tiles masked
 SMALL = QuantiseLaunch(block_r=16, block_c=32, num_warps=4)
@@ -98,18 +97,6 @@ def test_bitwise_equal_to_the_reference(dtype, out, row_mul):
         assert (ref[0].float().abs() == FP8_MAX[out]).any() and (codes == 0).any()
         assert ((codes > 0) & (codes < (4 if out == E5M2 else 8))).any()
 
-
-
-@pytest.mark.parametrize("out", [E5M2, E4M3], ids=["e5m2", "e4m3"])
-def test_col_major_copy_is_bitwise_col_major(out):
-    """The transposing copy of a row-major fp8 tensor (masked edge tiles: R, C not multiples of
-    the tile) is model/fp8.col_major's: same strides (1, R) and bits, NaN and infinity codes
-    included."""
-    r, c = 37, 70
-    t = torch.randint(0, 256, (r, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)).view(out)
-    got, ref = col_major_copy(t, launch=SMALL), col_major(t)
-    assert got.dtype == out and got.shape == (r, c) and got.stride() == ref.stride() == (1, r)
-    assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
 
 @pytest.mark.parametrize("out", [E5M2, E4M3], ids=["e5m2", "e4m3"])
 def test_every_rounding_boundary_of_each_format(out):

@@ -549,8 +549,6 @@ def test_mlp_bf16_backward_is_the_fp8_forward_and_the_plain_backward(site, compi
     assert not torch.equal(outs["fp8"][1], plain_grads[0])  # the fp8 backward is another one
     with pytest.raises(ValueError, match=r"Fp8Config.mlp_backward='fp16': one of \('fp8', 'bf16'\)"):
         Fp8Config(mlp_backward="fp16")
-    with pytest.raises(ValueError, match=r"Fp8Config.head_grad='both': one of \('backward', 'forward'\)"):
-        Fp8Config(head_grad="both")
 
 
 def test_tiny_gpt_fp8_forced_on_trains_compiles_and_tracks_bf16_path():

@@ -26,7 +26,7 @@ from track_1_short.kernels.fp8_quantise import QuantiseLaunch, quantise_both_lay
 from track_1_short.model.fp8 import (E4M3, E5M2, LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE,  # noqa: E402
                                      LM_HEAD_X_SCALE)
 
-NUM_CASES = 18  # tests in fp8_quantise_cases.py (parametrizations included)
+NUM_CASES = 16  # tests in fp8_quantise_cases.py (parametrizations included)
 T, D, V = 49152, 768, 50304  # stage C
 
 
@@ -110,36 +110,3 @@ def test_fp8_lm_head_forward_and_backward_on_fake_tensors():
         dx, dw = torch.autograd.grad(loss.sum(), (x, w))
         assert dx.shape == x.shape and dw.shape == w.shape
         assert dx.dtype == dw.dtype == torch.bfloat16
-
-
-def test_col_major_copy_fake_layout_and_bad_inputs():
-    """The transposing copy's fake kernel at stage C (strides (1, T)); a non-fp8, non-row-major or
-    empty input is a ValueError naming what it needs."""
-    with FakeTensorMode():
-        col = fp8_quantise.col_major_copy(torch.empty(T, V, dtype=E5M2, device="cuda"))
-        assert col.shape == (T, V) and col.stride() == (1, T) and col.dtype == E5M2
-    with pytest.raises(ValueError, match="needs a non-empty fp8"):
-        fp8_quantise.col_major_copy(torch.zeros(4, 8))
-    with pytest.raises(ValueError, match="needs to be row-major"):
-        fp8_quantise.col_major_copy(torch.zeros(8, 4).to(E5M2).t())
-
-
-def test_fp8_lm_head_with_the_gradient_in_the_forward_on_fake_tensors():
-    """upstream=grad scale: the forward op returns the e5m2 gradient, the backward its column-major
-    copy and the GEMMs; dx, dw in x's and w's shapes; a non-positive upstream is a ValueError."""
-    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
-
-    args = lambda: (torch.zeros(T, dtype=torch.int64), torch.ones(1), torch.tensor(0.25),  # noqa: E731
-                    torch.full((T,), -1, dtype=torch.int64))
-    scales = lambda: {name: torch.tensor(value) for name, value in  # noqa: E731
-                      (("x_s", LM_HEAD_X_SCALE), ("w_s", LM_HEAD_W_SCALE), ("grad_s", LM_HEAD_GRAD_SCALE))}
-    with FakeTensorMode():
-        x = torch.empty(T, D, dtype=torch.bfloat16).requires_grad_()
-        w = torch.empty(D, V, dtype=torch.bfloat16).requires_grad_()
-        loss = linear_softcap_ce_fp8(x, w, *args(), **scales(), upstream=0.125)
-        dx, dw = torch.autograd.grad(loss.sum() * 0.125, (x, w))
-        assert loss.shape == (T,) and dx.shape == x.shape and dw.shape == w.shape
-    x = torch.zeros(16, 16, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="upstream=0.0"):
-        linear_softcap_ce_fp8(x, torch.zeros(16, 32, dtype=torch.bfloat16), *(a[:16] if a.dim() else a for a in args()),
-                              **scales(), upstream=0.0)

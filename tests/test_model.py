@@ -349,16 +349,9 @@ def test_strategies_are_installed_from_outside():
     assert head.keywords["x_s"] is model.matmuls.lm_head_x_scale
     assert head.keywords["w_s"] is model.matmuls.lm_head_w_scale
     assert head.keywords["grad_s"] is model.matmuls.lm_head_grad_scale
-    assert head.keywords["upstream"] is None  # Fp8Config.head_grad "backward": any upstream
     assert build.describe_strategies(model) == (
         "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls, fused "
         "Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py) loss")
-    # head_grad "forward": the kernel quantises for the loss scale the matmuls were built with
-    fwd = _model(fp8=Fp8Config(enabled=True, head_grad="forward"))
-    fwd.matmuls = Fp8Matmuls(fwd.config.fp8, num_layers=fwd.config.num_layers, grad_scale=0.125)
-    build._install_fused_loss(fwd, torch.device("cuda"), enabled=True)
-    assert fwd.head_loss.func is linear_softcap_ce_fp8 and fwd.head_loss.keywords["upstream"] == 0.125
-    assert "its logit gradient quantised in the forward for upstream 0.125, loss" in build.describe_strategies(fwd)
     mlp_only = _model(fp8=Fp8Config(enabled=True, sites=("mlp_up", "mlp_down")))
     mlp_only.matmuls = Fp8Matmuls(mlp_only.config.fp8, num_layers=mlp_only.config.num_layers)
     build._install_fused_loss(mlp_only, torch.device("cuda"), enabled=True)

@@ -28,14 +28,10 @@
 #   fast_head_mudd  fast with the loss variant head_mudd's flags (scripts/gpu/loss_variants.sh):
 #            the record's architecture, which matched its loss where our default did not; its
 #            step time is the one to hold against the record's
-#   fast_fwdq fast with --set model.fp8.head_grad=forward: the lm head's e5m2 logit gradient
-#            quantised in the loss kernel's forward (bitwise the same gradients; one bf16 [T, V]
-#            write and read less per micro-step, kernels/softcap_ce_fp8.py)
 #   head_mudd_fp8 the loss variant head_mudd_fo_fp8's flags (the configuration whose loss matched
 #            the record's, 2026-12-02: fp8 lm head and MLP forward, bf16 MLP backward)
-#   fast_head_mudd_fp8 head_mudd_fp8 with fa4 and the gradient in the forward (the fp8 MLP takes
-#            the place of the quack MLP, which the fp8 MLP sites exclude): the candidate to hold
-#            against the record
+#   fast_head_mudd_fp8 head_mudd_fp8 with fa4 (the fp8 MLP takes the place of the quack MLP,
+#            which the fp8 MLP sites exclude): the candidate to hold against the record
 #   head_mudd the loss variant head_mudd alone (bf16, FlexAttention): what its flags cost
 #   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
@@ -63,10 +59,8 @@ variant_flags() {
     fa4_quack) echo --set model.attention_backend=fa4 --set train.mlp_kernel=quack ;;
     fast) echo "$(variant_flags fa4_quack) $(variant_flags fp8_head)" ;;
     fast_head_mudd) echo "$(variant_flags fast) $(loss_variant_flags head_mudd)" ;;
-    fast_fwdq) echo "$(variant_flags fast) --set model.fp8.head_grad=forward" ;;
     head_mudd_fp8) loss_variant_flags head_mudd_fo_fp8 ;;
-    fast_head_mudd_fp8) echo "$(loss_variant_flags head_mudd_fo_fp8) $(variant_flags fa4)" \
-                             "--set model.fp8.head_grad=forward" ;;
+    fast_head_mudd_fp8) echo "$(loss_variant_flags head_mudd_fo_fp8) $(variant_flags fa4)" ;;
     head_mudd) loss_variant_flags head_mudd ;;
     mudd) echo --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true ;;
     dense_ngram) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;

@@ -40,11 +40,6 @@ up and mishandles the mantissa carry), `_round_to_fp8_bits`: c10's float32 -> fp
 (c10/util/Float8_e5m2.h, Float8_e4m3fn.h) on the bits, which is what torch's own cast computes.
 tests/test_softcap_ce_fp8_gpu.py checks both variants on the GPU against the reference.
 
-col_major_copy: a second, plain kernel of the same tiling for an fp8 tensor quantised elsewhere
-(the fp8 lm head's logit gradient written by the loss kernel's forward, kernels/softcap_ce_fp8.py,
-"Gradient in the forward"): row-major in, the column-major copy out (t1s::fp8_col_major_copy,
-bitwise model/fp8.col_major; one read and one write of the fp8 tensor).
-
 Slow reference: `quantise_both_layouts_reference` below, i.e. model/fp8.py's own functions:
 quantise(t * row_mul[:, None] or t, scale, dtype), then row_major and col_major of the result
 (tests/fp8_quantise_cases.py checks the kernel bitwise against it in the Triton interpreter,
@@ -137,19 +132,6 @@ def _round_to_fp8_bits(v, MANT: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
-def quantise_value(v, scale, out_ty: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr,
-                   BIAS: tl.constexpr, HW_CAST: tl.constexpr):
-    """float32 v -> fp8 `out_ty` as model/fp8.quantise: v / scale (IEEE division), clamped to
-    +-FMAX, rounded to nearest even (module docstring). The one rounding of both kernels here and
-    of kernels/softcap_ce.py's forward-quantised logit gradient."""
-    v = tl.clamp(tl.div_rn(v, scale), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-    if HW_CAST:
-        return v.to(out_ty)  # round to nearest even (Triton's default for fp8 downcasts)
-    else:
-        return _round_to_fp8_bits(v, MANT, BIAS).to(tl.uint8).to(out_ty, bitcast=True)
-
-
-@triton.jit
 def _quantise_both_layouts(t_ptr, m_ptr, scale_ptr, row_ptr, col_ptr, R, C, stride_tr, stride_tc,
                            stride_m, FMAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
                            HAS_MUL: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -165,28 +147,18 @@ def _quantise_both_layouts(t_ptr, m_ptr, scale_ptr, row_ptr, col_ptr, R, C, stri
     v = tl.load(t_ptr + r64 * stride_tr + c64 * stride_tc, mask=mask, other=0.0).to(tl.float32)
     if HAS_MUL:
         v = v * tl.load(m_ptr + r.to(tl.int64) * stride_m, mask=r_ok, other=0.0)[:, None]
-    q = quantise_value(v, tl.load(scale_ptr), row_ptr.dtype.element_ty, FMAX, MANT, BIAS, HW_CAST)
+    v = tl.clamp(tl.div_rn(v, tl.load(scale_ptr)), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
+    out_ty = row_ptr.dtype.element_ty
+    if HW_CAST:
+        q = v.to(out_ty)  # round to nearest even (Triton's default for fp8 downcasts)
+    else:
+        q = _round_to_fp8_bits(v, MANT, BIAS).to(tl.uint8).to(out_ty, bitcast=True)
     row_offs = r64 * C + c64  # [BLOCK_R, BLOCK_C] into row, strides (C, 1)
     tl.store(row_ptr + row_offs, q, mask=mask)
     # the column-major copy from the tile just written (module docstring, "How it works"): after
     # the barrier every thread's stores are visible to the whole program
     tl.debug_barrier()
     tl.store(col_ptr + r64 + c64 * R, tl.load(row_ptr + row_offs, mask=mask), mask=mask)  # (1, R)
-
-
-@triton.jit
-def _col_major_copy(t_ptr, col_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """col[r, c] = t[r, c]: t row-major (C, 1), col column-major (1, R); one tile per program,
-    loaded coalesced along c, stored coalesced along r (Triton converts the tile's register
-    layout through shared memory; a plain load -> store has no chain to recompute)."""
-    pid = tl.program_id(0)
-    tiles_c = tl.cdiv(C, BLOCK_C)
-    r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
-    mask = (r < R)[:, None] & (c < C)[None, :]
-    r64 = r.to(tl.int64)[:, None]
-    c64 = c.to(tl.int64)[None, :]
-    tl.store(col_ptr + r64 + c64 * R, tl.load(t_ptr + r64 * C + c64, mask=mask), mask=mask)
 
 
 def interpreted() -> bool:
@@ -263,50 +235,6 @@ def quantise_both_layouts(t: Tensor, scale: Tensor, dtype: torch.dtype, row_mul:
     differentiable. ValueError naming the argument for inputs it cannot take."""
     return quantise_both_layouts_op(t, scale, row_mul, dtype, launch.block_r, launch.block_c,
                                     launch.num_warps, launch.hw_cast)
-
-
-def _check_col_major_input(t: Tensor) -> None:
-    where = "col_major_copy"
-    if t.dim() != 2 or t.dtype not in OUT_DTYPES or t.numel() == 0:
-        raise ValueError(f"{where}: t needs a non-empty fp8 [R, C] of {OUT_DTYPES}, got {t.dtype} "
-                         f"{tuple(t.shape)}")
-    if t.stride() != (t.shape[1], 1):
-        raise ValueError(f"{where}: t needs to be row-major (strides ({t.shape[1]}, 1)), got {t.stride()}")
-    if t.device.type not in ("cuda", "cpu"):
-        raise ValueError(f"{where}: t on CUDA (or the CPU through the Triton interpreter), got {t.device}")
-
-
-@torch.library.custom_op("t1s::fp8_col_major_copy", mutates_args=())
-def col_major_copy_op(t: Tensor, block_r: int, block_c: int, num_warps: int) -> Tensor:
-    """[R, C] with strides (1, R): the values of the row-major fp8 t (module docstring of
-    col_major_copy)."""
-    _check_col_major_input(t)
-    cuda = t.device.type == "cuda"
-    if not cuda and not interpreted():
-        raise ValueError("col_major_copy: CPU tensors run only in the Triton interpreter: set "
-                         "TRITON_INTERPRET=1 before triton is imported; otherwise use model/fp8.col_major")
-    (r, c) = t.shape
-    col = torch.empty_strided((r, c), (1, r), dtype=t.dtype, device=t.device)
-    grid = (triton.cdiv(r, block_r) * triton.cdiv(c, block_c),)
-    with torch.cuda.device(t.device) if cuda else contextlib.nullcontext():
-        _col_major_copy[grid](t, col, r, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps)
-    return col
-
-
-@col_major_copy_op.register_fake
-def _col_major_copy_fake(t, block_r, block_c, num_warps):
-    _check_col_major_input(t)
-    (r, c) = t.shape
-    return torch.empty_strided((r, c), (1, r), dtype=t.dtype, device=t.device)
-
-
-def col_major_copy(t: Tensor, *, launch: QuantiseLaunch = DEFAULT_LAUNCH) -> Tensor:
-    """The column-major copy (strides (1, R)) of a row-major fp8 t [R, C], bitwise model/fp8.py's
-    col_major(t): for an fp8 gradient quantised elsewhere (the fp8 lm head's logit gradient,
-    quantised in the loss kernel's forward, kernels/softcap_ce_fp8.py) whose second GEMM needs
-    the other layout. One read and one write of t. Not differentiable; ValueError for inputs it
-    cannot take (hw_cast is unused)."""
-    return col_major_copy_op(t, launch.block_r, launch.block_c, launch.num_warps)
 
 
 def quantise_both_layouts_reference(t: Tensor, scale: Tensor, dtype: torch.dtype,

@@ -104,8 +104,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from track_1_short.kernels.fp8_quantise import EXPONENT_BIAS, MANTISSA_BITS, OUT_DTYPES, quantise_value
-from track_1_short.model.fp8 import E5M2, FP8_MAX
 from track_1_short.model.loss import SOFTCAP_DIV, SOFTCAP_SCALE, SOFTCAP_SHIFT
 
 _LOG2E = 1.0 / math.log(2.0)
@@ -212,53 +210,33 @@ def _chunk_sigmoid(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FAST: tl.c
 
 
 @triton.jit
-def _store_grad(row_ptr, q_row_ptr, c, dz, mask, q_mul, q_scale, Q8: tl.constexpr,
-                QMAX: tl.constexpr, QMANT: tl.constexpr, QBIAS: tl.constexpr, QHW: tl.constexpr):
-    """The logit gradient dz of columns c: rounded to z's dtype and written over z (row_ptr), or
-    with Q8 that rounded value times q_mul quantised by q_scale to fp8 into q_row_ptr
-    (kernels/fp8_quantise.quantise_value: bitwise the backward's quantisation of the bf16 dz for
-    an upstream gradient q_mul). mask None: every column."""
-    g = dz.to(row_ptr.dtype.element_ty)
-    if Q8:
-        q = quantise_value(g.to(tl.float32) * q_mul, q_scale, q_row_ptr.dtype.element_ty, QMAX, QMANT,
-                           QBIAS, QHW)
-        tl.store(q_row_ptr + c, q, mask=mask)
-    else:
-        tl.store(row_ptr + c, g, mask=mask)
-
-
-@triton.jit
-def _store_chunk_grad(row_ptr, q_row_ptr, c, grad_scale, lse2, q_mul, q_scale, V: tl.constexpr,
-                      MASKED: tl.constexpr, FMA: tl.constexpr, FAST: tl.constexpr, Q8: tl.constexpr,
-                      QMAX: tl.constexpr, QMANT: tl.constexpr, QBIAS: tl.constexpr, QHW: tl.constexpr):
-    """W p (dz'/dz) at columns c with p = softmax(z')_c, grad_scale = W * 23 / 7.5: the gradient
-    of every column but the targets (the fix-up after pass 2 writes those), stored by _store_grad."""
+def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.constexpr,
+                      FMA: tl.constexpr, FAST: tl.constexpr):
+    """row_ptr[c] = W p (dz'/dz) with p = softmax(z')_c, grad_scale = W * 23 / 7.5: the gradient
+    of every column but the targets (the fix-up after pass 2 writes those)."""
     s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST)
     dz = (grad_scale * _softmax_exp2(s * _EXP_MUL - lse2, FMA, FAST)) * (s * (1.0 - s))
     if MASKED:
-        _store_grad(row_ptr, q_row_ptr, c, dz, c < V, q_mul, q_scale, Q8, QMAX, QMANT, QBIAS, QHW)
+        tl.store(row_ptr + c, dz.to(row_ptr.dtype.element_ty), mask=c < V)
     else:
-        _store_grad(row_ptr, q_row_ptr, c, dz, None, q_mul, q_scale, Q8, QMAX, QMANT, QBIAS, QHW)
+        tl.store(row_ptr + c, dz.to(row_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, q_ptr,
-                     q_scale_ptr, q_mul, T, V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                     N: tl.constexpr, NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
-                     FMA2: tl.constexpr, FAST: tl.constexpr, Q8: tl.constexpr, QMAX: tl.constexpr,
-                     QMANT: tl.constexpr, QBIAS: tl.constexpr, QHW: tl.constexpr):
+def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, T,
+                     V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, N: tl.constexpr,
+                     NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
+                     FMA2: tl.constexpr, FAST: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     V_FULL: tl.constexpr = V - V % BLOCK_V  # columns in unmasked chunks
     slot = tl.arange(0, NS)  # [NS]: k = 0..N-1 the MTP targets, N the prefix, beyond N padding
     pw = tl.load(prefix_w_ptr)
-    q_scale = tl.load(q_scale_ptr)  # Q8 only (else any float32 0-d)
     # rows pid, pid + P, ...; loop bounds are constexprs: the interpreter turns int arguments into
     # 1-element arrays, which `range` cannot take under numpy >= 2.4
     for i in range(0, ROWS_PER_PROGRAM):
         row = tl.program_id(0) + i * tl.num_programs(0)
         if row < T:
             row_ptr = z_ptr + row.to(tl.int64) * V
-            q_row_ptr = q_ptr + row.to(tl.int64) * V  # Q8: the fp8 gradient's row (else z's)
             # the slots' columns, weights and logits, read before pass 2 overwrites the row
             mtp_ok = (slot < N) & (row + slot < T)
             tgt = tl.load(targets_ptr + row + slot, mask=mtp_ok, other=0)
@@ -285,19 +263,16 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
             lse2 = lse * _LOG2E_C
             grad_scale = w_total * _DCAP
             for start in range(0, V_FULL, BLOCK_V):
-                _store_chunk_grad(row_ptr, q_row_ptr, start + cols, grad_scale, lse2, q_mul, q_scale,
-                                  V, False, FMA2, FAST, Q8, QMAX, QMANT, QBIAS, QHW)
+                _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST)
             if V_FULL < V:
-                _store_chunk_grad(row_ptr, q_row_ptr, V_FULL + cols, grad_scale, lse2, q_mul, q_scale,
-                                  V, True, FMA2, FAST, Q8, QMAX, QMANT, QBIAS, QHW)
+                _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST)
             # fix-up of the target columns, after every warp's pass-2 stores: subtract the weights
             # of all slots naming the column (duplicates add up; equal columns get equal values)
             tl.debug_barrier()
             sub = tl.sum(tl.where(pos[:, None] == pos[None, :], w[None, :], 0.0), axis=1)  # [NS]
             p_slot = _softmax_exp2(s_slot * _EXP_MUL - lse2, FMA2, FAST)
             dz_slot = (w_total * p_slot - sub) * (_DCAP * s_slot * (1.0 - s_slot))
-            _store_grad(row_ptr, q_row_ptr, pos, dz_slot, slot <= N, q_mul, q_scale, Q8, QMAX, QMANT,
-                        QBIAS, QHW)
+            tl.store(row_ptr + pos, dz_slot.to(z_ptr.dtype.element_ty), mask=slot <= N)
 
 
 def interpreted() -> bool:
@@ -340,25 +315,11 @@ def _check_inputs(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, pr
         raise ValueError(f"{where}: runs on CUDA (or the CPU through the Triton interpreter), got {x.device}")
 
 
-@dataclass(slots=True, frozen=True)
-class GradQuantisation:
-    """The logit gradient written as fp8 into `out` instead of over the logits (softcap_ce_rows_):
-    out = quantise(bf16(dz) * upstream, scale, out.dtype) (model/fp8.py), i.e. what the backward
-    would quantise for a uniform upstream gradient `upstream` (a constant of the run)."""
-
-    out: Tensor  # fp8 [T, V] row-major, written by the kernel
-    scale: Tensor  # float32 0-d: the dequantisation scale
-    upstream: float  # the upstream gradient the forward assumes for every token
-
-
 def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_weight: Tensor,
-                     prefix_targets: Tensor, launch: LaunchConfig,
-                     quantised: GradQuantisation | None = None) -> Tensor:
+                     prefix_targets: Tensor, launch: LaunchConfig) -> Tensor:
     """The kernel alone: per-token loss float32 [T] of the logits z [T, V] (contiguous, bf16 or
-    float32), and z overwritten IN PLACE with dloss/dz for a unit upstream gradient, or with
-    `quantised` that gradient (rounded to z's dtype) times its upstream, in fp8 into its `out`
-    (z then keeps the logits). The op's forward after its GEMM; bench/loss_kernel.py times it on
-    its own."""
+    float32), and z overwritten IN PLACE with dloss/dz for a unit upstream gradient. The op's
+    forward after its GEMM; bench/loss_kernel.py times it on its own."""
     (t, v), n = z.shape, mtp_weights.shape[0]
     cuda = z.device.type == "cuda"
     if not cuda and not interpreted():
@@ -367,27 +328,16 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
                          "bench/loss_kernel.py --smoke do); otherwise use model/loss.py's torch path")
     if not z.is_contiguous():
         raise ValueError(f"softcap_ce_rows_: z needs to be contiguous, got strides {z.stride()}")
-    q = quantised
-    if q is not None and (q.out.dtype not in OUT_DTYPES or q.out.shape != z.shape or not q.out.is_contiguous()
-                          or q.scale.dtype != torch.float32 or q.scale.dim() != 0):
-        raise ValueError(f"softcap_ce_rows_: quantised needs a contiguous fp8 out of z's shape {tuple(z.shape)} "
-                         f"and a float32 0-d scale, got {q.out.dtype} {tuple(q.out.shape)} strides "
-                         f"{q.out.stride()}, scale {q.scale.dtype} {tuple(q.scale.shape)}")
     loss = torch.empty(t, dtype=torch.float32, device=z.device)  # [T]
     num_programs = _num_programs(z.device, t, launch.programs_per_sm)
-    q_dtype = q.out.dtype if q is not None else E5M2
     with torch.cuda.device(z.device) if cuda else contextlib.nullcontext():
         _softcap_ce_rows[(num_programs,)](z, targets.contiguous(), prefix_targets.contiguous(),
-                                          mtp_weights.contiguous(), prefix_weight, loss,
-                                          z if q is None else q.out, prefix_weight if q is None else q.scale,
-                                          1.0 if q is None else q.upstream, t, V=v,
+                                          mtp_weights.contiguous(), prefix_weight, loss, t, V=v,
                                           ROWS_PER_PROGRAM=triton.cdiv(t, num_programs),
                                           N=n, NS=triton.next_power_of_2(n + 1),
                                           BLOCK_V=launch.block_v, FMA1=launch.fma_exp_passes >= 2,
                                           FMA2=launch.fma_exp_passes >= 1,
-                                          FAST=launch.fast_math and cuda, Q8=q is not None,
-                                          QMAX=FP8_MAX[q_dtype], QMANT=MANTISSA_BITS[q_dtype],
-                                          QBIAS=EXPONENT_BIAS[q_dtype], QHW=cuda,
+                                          FAST=launch.fast_math and cuda,
                                           num_warps=launch.num_warps)
     return loss
 

@@ -29,30 +29,9 @@ of dz (as in the bf16 fused op). Unlike the record's backward, which ignores gra
 applied exactly; scaling the rows before quantising keeps one g8 for both GEMMs. (Before the
 kernel, inductor fused gz, its quantisation and both layouts into one pointwise kernel with one
 transposed write: 4.5 ms per stage-C micro-step on one H200; the kernel: 3.43 ms, against 4.38 ms
-for the inductor-compiled reference, docs/results/gpu_tests_fp8_h200_2026-12-02.log.)
-
-Gradient in the forward (upstream=c, Fp8Config.head_grad "forward"; the record's way, facts 1.6):
-    forward   t1s::softcap_ce_fp8_fwd_q: the same GEMM, then the same kernel writes
-                g8 = q5(bf16(dz) * c / grad_s) [T, V] e5m2 row-major (kernels/softcap_ce.py's
-                GradQuantisation: the rounding of kernels/fp8_quantise.py) instead of bf16 dz over
-                z; g8 is saved (2.5 instead of 4.9 GB at stage C)
-    backward  upstream g [T]: r = g / c [T]; g8_col = t1s::fp8_col_major_copy(g8) (one read and
-                one write of the fp8 tensor instead of the bf16 read and two fp8 writes)
-              dx = r * (_scaled_mm(g8, w8^T) * grad_s * w_s)
-              dw = _scaled_mm(q4(x8 r / s_r)^T, g8) * x_s * s_r * grad_s,
-                s_r = max(amax(x8 r) / 448, 1) (no saturation whatever r)
-For g = c on every token (the trainer's training_loss(...).sum() * grad_scale with c its
-grad_scale) r = 1, s_r = 1 and every step above is exact, so loss, dx and dw are BITWISE the
-backward-quantised head's (tests/softcap_ce_cases.py on the CPU, tests/test_softcap_ce_fp8_gpu.py
-at the speedrun's shapes). For any other g the row factors act on the [T, D] side of both GEMMs,
-exact for dx up to the fp8 rounding of dz * c instead of dz * g, and for dw up to the e4m3
-re-rounding of x8 r: measured as far from the float64 reference as the backward-quantised head
-for a random signed upstream (dx 5.8e-2 vs 6.0e-2, dw 6.8e-2 vs 6.4e-2 relative, both fp8). So
-nothing is silently wrong for an unexpected upstream; only the trainer's case is bitwise. Cost
-expected at stage C (not measured yet): the backward's quantise kernel (3.43 ms per micro-step,
-docs/results/gpu_tests_fp8_h200_2026-12-02.log) becomes a copy of half its traffic (~1.5 ms), the
-forward writes 2.5 instead of 4.9 GB but adds a division per element to a kernel bound by its
-special-function unit: ~1.5-2 ms per micro-step less, ~12-16 ms per step at C.
+for the inductor-compiled reference, docs/results/gpu_tests_fp8_h200_2026-12-02.log. Quantising in
+the loss kernel's forward instead, as the record does, was measured slower: 18.52 vs 17.67 ms for
+the head's forward + backward per stage-C micro-step, docs/LOG.md "eleventh session".)
 
 Scales: the lm head's static ones (Fp8Matmuls.lm_head_{x,w,grad}_scale, facts 1.7: 100/448,
 1.6/448, 0.75/448 x the loss's gradient scale 1 / micro-steps, so g8 keeps its range whatever the
@@ -62,7 +41,7 @@ Slow reference: model/fp8.py's fp8_matmul_reference / fp8_matmul_backward_refere
 model/loss.py's training_loss (tests/softcap_ce_cases.py checks the op against it on the CPU in
 the Triton interpreter; tests/test_softcap_ce_gpu.py on the H200).
 
-Registration: t1s::softcap_ce_fp8_fwd (and t1s::softcap_ce_fp8_fwd_q) is a custom op with a fake kernel and
+Registration: t1s::softcap_ce_fp8_fwd is a custom op with a fake kernel and
 torch.Tag.needs_exact_strides (x8 row-major, w8 column-major: model/fp8.py's layout rules), no
 autograd of its own; `_Fp8SoftcapCE` is an autograd.Function that dynamo traces, so the forward's
 quantisations are graph code inductor fuses, the gradient's is the t1s::fp8_quantise_both_layouts
@@ -80,12 +59,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from track_1_short.kernels.fp8_quantise import col_major_copy, quantise_both_layouts
-from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, GradQuantisation, LaunchConfig,
-                                              _check_inputs, softcap_ce_rows_)
-from track_1_short.model.fp8 import (E4M3, E4M3_MAX, E5M2, amax, check_fp8_dims, col_major,
-                                     fp8_grads_from_quantised, quantise, quantise_operands, row_major,
-                                     scaled_mm_body)
+from track_1_short.kernels.fp8_quantise import quantise_both_layouts
+from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, LaunchConfig, _check_inputs,
+                                              softcap_ce_rows_)
+from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_from_quantised,
+                                     quantise_operands, row_major, scaled_mm_body)
 
 
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -110,66 +88,6 @@ def _fwd_fake(x8, w8, x_s, w_s, targets, mtp_weights, prefix_weight, prefix_targ
               num_warps, programs_per_sm, fast_math, fma_exp_passes):
     t, v = x8.shape[0], w8.shape[1]
     return x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16)
-
-
-def _fwd_q_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
-                mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, upstream: float,
-                block_v: int, num_warps: int, programs_per_sm: int, fast_math: bool,
-                fma_exp_passes: int) -> tuple[Tensor, Tensor]:
-    """(loss float32 [T], g8 e5m2 [T, V] row-major): as _fwd_body, with the logit gradient for
-    the upstream gradient `upstream` quantised by grad_s in the kernel (module docstring,
-    "Gradient in the forward")."""
-    z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V] logits, read only
-    g8 = torch.empty(z.shape, dtype=E5M2, device=z.device)  # [T, V] row-major
-    loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
-                            LaunchConfig(block_v=block_v, num_warps=num_warps,
-                                         programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                         fma_exp_passes=fma_exp_passes),
-                            GradQuantisation(out=g8, scale=grad_s, upstream=upstream))
-    return loss, g8
-
-
-softcap_ce_fp8_fwd_q = torch.library.custom_op("t1s::softcap_ce_fp8_fwd_q", _fwd_q_body, mutates_args=(),
-                                               tags=(torch.Tag.needs_exact_strides,))
-
-
-@softcap_ce_fp8_fwd_q.register_fake
-def _fwd_q_fake(x8, w8, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight, prefix_targets, upstream,
-                block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes):
-    t, v = x8.shape[0], w8.shape[1]
-    return x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=E5M2)
-
-
-class _Fp8SoftcapCEForwardGrad(torch.autograd.Function):
-    """loss [T] of softcap(x @ w) with the lm head in fp8 and its e5m2 logit gradient written by
-    the forward's kernel for the upstream gradient `upstream` (module docstring, "Gradient in the
-    forward")."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
-                mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, upstream: float,
-                block_v: int, num_warps: int, programs_per_sm: int, fast_math: bool,
-                fma_exp_passes: int) -> Tensor:
-        x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
-        loss, g8 = softcap_ce_fp8_fwd_q(row_major(x8), col_major(w8), x_s, w_s, grad_s, targets,
-                                        mtp_weights, prefix_weight, prefix_targets, upstream, block_v,
-                                        num_warps, programs_per_sm, fast_math, fma_exp_passes)
-        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, g8)
-        ctx.dtypes, ctx.upstream = (x.dtype, w.dtype), upstream
-        return loss
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        x8_col, w8_row, x_s, w_s, grad_s, g8_row = ctx.saved_tensors  # [T, D], [D, V], ..., [T, V]
-        r = (g.float() / ctx.upstream)[:, None]  # [T, 1]: 1 exactly where g is the assumed upstream
-        # the rows' departure from the assumed upstream, on the [T, D] side of both GEMMs (module
-        # docstring): bitwise nothing for r = 1 (s_r = 1, x8 * 1 re-rounds to itself, dx * 1 is dx)
-        xr = x8_col.float() * r  # [T, D] column-major, in units of x_s
-        s_r = torch.clamp_min(amax(xr) / E4M3_MAX, 1.0)  # float32 0-d: 1 unless |x8 r| > 448
-        x8r_col = col_major(quantise(xr, s_r, E4M3))  # [T, D] column-major, scale x_s * s_r
-        dx, dw = fp8_grads_from_quantised(g8_row, col_major_copy(g8_row), grad_s, x8r_col, w8_row,
-                                          x_s * s_r, w_s, ctx.dtypes)
-        return (dx.float() * r).to(dx.dtype), dw, *([None] * 13)
 
 
 class _Fp8SoftcapCE(torch.autograd.Function):
@@ -199,28 +117,15 @@ class _Fp8SoftcapCE(torch.autograd.Function):
 
 def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                           prefix_weight: Tensor, prefix_targets: Tensor, *, x_s: Tensor, w_s: Tensor,
-                          grad_s: Tensor, launch: LaunchConfig = DEFAULT_LAUNCH,
-                          upstream: float | None = None) -> Tensor:
+                          grad_s: Tensor, launch: LaunchConfig = DEFAULT_LAUNCH) -> Tensor:
     """Per-token training loss float32 [T] of softcap(x @ w) with x and w quantised to e4m3 by the
     dequantisation scales x_s, w_s and the logit gradient to e5m2 by grad_s (float32 0-d device
     tensors in their own storage); differentiable in x and w. The other arguments as
     kernels/softcap_ce.linear_softcap_ce's (x, w bf16 or float32 here: the logit gradient is
-    bf16 either way). upstream None: the backward quantises the gradient for the upstream it
-    gets; a float > 0: the forward's kernel quantises it for that upstream gradient of every
-    token (the trainer's loss scale, 1 / micro-steps), bitwise the same gradients when the
-    backward's upstream is that value (module docstring, "Gradient in the forward"). ValueError
-    for inputs the kernel or torch._scaled_mm cannot take."""
+    bf16 either way). ValueError for inputs the kernel or torch._scaled_mm cannot take."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
     check_fp8_dims("linear_softcap_ce_fp8", x, w, "T, D, V",
                    "keep lm_head out of Fp8Config.sites for these shapes")
-    if upstream is not None:
-        if not upstream > 0:
-            raise ValueError(f"linear_softcap_ce_fp8(upstream={upstream}): the assumed upstream gradient "
-                             "must be > 0 (the loss scale, 1 / micro-steps), or None")
-        return _Fp8SoftcapCEForwardGrad.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
-                                              prefix_targets, float(upstream), launch.block_v,
-                                              launch.num_warps, launch.programs_per_sm, launch.fast_math,
-                                              launch.fma_exp_passes)
     return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
                                prefix_targets, launch.block_v, launch.num_warps,
                                launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes)

@@ -484,7 +484,6 @@ class Fp8Matmuls(PlainMatmuls):
         if not grad_scale > 0:
             raise ValueError(f"Fp8Matmuls(grad_scale={grad_scale}): must be > 0 (1 / micro-steps)")
         self.cfg = cfg
-        self.grad_scale = grad_scale  # the upstream gradient of every token's loss (see above)
         self.active = False  # set by resolve(); False = bf16/fp32 path
         self.initial = {"lm_head_x_scale": LM_HEAD_X_SCALE, "lm_head_w_scale": LM_HEAD_W_SCALE,
                         "lm_head_grad_scale": LM_HEAD_GRAD_SCALE * grad_scale}

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 FP8_SITES = ("lm_head", "mlp_up", "mlp_down")  # the fp8 call sites (model/fp8.py's Fp8Matmuls)
 MLP_BACKWARDS = ("fp8", "bf16")  # Fp8Config.mlp_backward
-HEAD_GRADS = ("backward", "forward")  # Fp8Config.head_grad
 
 
 @dataclass(slots=True, kw_only=True)
@@ -24,11 +23,6 @@ class Fp8Config:
     # gradient GEMMs in fp8; ours so far) or "bf16" (the plain backward from the saved bf16 x and
     # w: HEAD's MLP, whose backward stays bf16, facts 1.7); the lm head's is always fp8
     mlp_backward: str = "fp8"
-    # where the fused fp8 lm-head loss quantises its e5m2 logit gradient (kernels/softcap_ce_fp8.py):
-    # "backward" (for the upstream gradient it gets) or "forward" (in the loss kernel, for the
-    # trainer's loss scale: bitwise the same gradients, one bf16 [T, V] write and read less; the
-    # record's way, facts 1.6). Default "backward" until its step time is measured.
-    head_grad: str = "backward"
 
     def __post_init__(self):
         unknown = [s for s in self.sites if s not in FP8_SITES]
@@ -36,8 +30,6 @@ class Fp8Config:
             raise ValueError(f"Fp8Config.sites={self.sites}: a non-empty subset of {FP8_SITES}")
         if self.mlp_backward not in MLP_BACKWARDS:
             raise ValueError(f"Fp8Config.mlp_backward={self.mlp_backward!r}: one of {MLP_BACKWARDS}")
-        if self.head_grad not in HEAD_GRADS:
-            raise ValueError(f"Fp8Config.head_grad={self.head_grad!r}: one of {HEAD_GRADS}")
         if self.bootstrap_steps < 1:
             raise ValueError(f"Fp8Config.bootstrap_steps={self.bootstrap_steps} must be >= 1: the "
                              "first MLP-down call has no previous amax to delay")

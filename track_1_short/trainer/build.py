@@ -139,18 +139,14 @@ def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None
     """The fused lm-head + softcapped CE kernel as the training forward's head loss, on CUDA: with
     bf16 GEMMs (kernels/softcap_ce.py), or with `lm_head` among the active fp8 sites its fp8
     GEMMs around the same kernel (kernels/softcap_ce_fp8.py, the lm head's static scale buffers
-    of GPT.matmuls; Fp8Config.head_grad picks where its logit gradient is quantised)."""
+    of GPT.matmuls)."""
     if not (enabled and device.type == "cuda"):
         return
     if "lm_head" in _fp8_sites(model):
         from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8  # Triton: CUDA hosts only
-        m = model.matmuls
-        # Fp8Config.head_grad "forward": the loss kernel quantises the logit gradient for the
-        # loss scale, the upstream gradient of every token's loss (Fp8Matmuls.grad_scale)
-        upstream = m.grad_scale if model.config.fp8.head_grad == "forward" else None
-        model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=m.lm_head_x_scale,
-                                            w_s=m.lm_head_w_scale, grad_s=m.lm_head_grad_scale,
-                                            upstream=upstream)
+        model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=model.matmuls.lm_head_x_scale,
+                                            w_s=model.matmuls.lm_head_w_scale,
+                                            grad_s=model.matmuls.lm_head_grad_scale)
     else:
         from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
         model.head_loss = linear_softcap_ce
@@ -180,9 +176,6 @@ def describe_strategies(model: GPT) -> str:
         loss = "torch (model/loss.py)"
     elif "lm_head" in sites:
         loss = "fused Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py)"
-        upstream = getattr(model.head_loss, "keywords", {}).get("upstream")
-        if upstream is not None:
-            loss += f", its logit gradient quantised in the forward for upstream {upstream:g},"
     else:
         loss = "fused Triton kernel (kernels/softcap_ce.py)"
     return f"training forward: {matmuls} matmuls, {loss} loss"
