@@ -38,6 +38,10 @@
 # re-trace against warm caches, ~100-150 s, then ~150 s of shared-GPU training each). After
 # vs_record.sh and host_bound.sh on the same warm machine, stages A/0 and C/2 are already compiled.
 # Both trainers have time limits (end by DEADLINE_S, 585 s); a cut run still leaves its curve so far.
+# One run per side cannot decide a 0.02 margin (one validation gap has sd ~0.02, measured
+# 2026-12-02): repeat `run` in later calls on the warm machine (one pair per call, ~300 s) and
+# pool the pairs on the CPU, `bench/loss_parity.py pool --ours RUN --ours RUN ... --record
+# LOSS.jsonl --record LOSS.jsonl ...` (the mean gap, each side's run-to-run sd, the standard error).
 source scripts/gpu/common.sh  # run from the repo root
 source scripts/gpu/loss_variants.sh  # loss_variant_flags
 MODE=${1:-run} VARIANT=${VARIANT:-base}
