@@ -30,19 +30,17 @@
 # parity run of 2026-12-02: RECORD=docs/results/loss_parity_embedded-large_head_mudd_fo_2026-12-02/record_loss.jsonl
 # BASE_JSON=docs/results/loss_parity_embedded-large_head_mudd_fo_2026-12-02.json
 source scripts/gpu/common.sh  # run from the repo root
-source scripts/gpu/loss_variants.sh  # loss_variant_flags
+source scripts/gpu/loss_variants.sh  # loss_variant_flags, parity_train_cmd
 DATA=${DATA:-data/embedded-large} MAX_STEPS=${MAX_STEPS:-110} DATE=$(date -u +%F)
 RECORD=${RECORD:-docs/results/loss_parity_embedded-large_2026-12-01/record_loss.jsonl}
 BASE_JSON=${BASE_JSON:-docs/results/loss_ablations_embedded-large_2026-12-01/loss_parity_embedded-large_base_2026-12-01.json}
 VARIANTS=${VARIANTS:-base uniform_o dense_ngram no_trigram data_seed1}
 VAL_SEQ=32768 VAL_TOKENS=196608  # the record run's VAL_SEQ / VAL_TOKENS (its settings.log)
+parity_train_cmd "$DATA" 10 "$VAL_TOKENS" "$VAL_SEQ"  # PARITY_TRAIN: validation every 10 steps
 train_variant() {  # NAME LIMIT_S FLAGS...: our run, then its comparison with the record curve
   local v=$1 limit=$2 rc
   shift 2
-  timeout -k 15 "$limit" python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" \
-      --graphs on --val-every 10 --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ" \
-      --runs-dir "$OUT/runs" --no-save-final --log-every 1 --max-steps "$MAX_STEPS" \
-      --set schedule.stage_start_validation=next \
+  timeout -k 15 "$limit" "${PARITY_TRAIN[@]}" --max-steps "$MAX_STEPS" \
       --run-id "$v" "$@" ${EXTRA_FLAGS:-} > "$L/$v.log" 2>&1
   rc=$?
   python3 bench/loss_parity.py build --ours "$OUT/runs/$v" --record "$RECORD" --data-dir "$DATA" \

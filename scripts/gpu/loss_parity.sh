@@ -43,7 +43,7 @@
 # pool the pairs on the CPU, `bench/loss_parity.py pool --ours RUN --ours RUN ... --record
 # LOSS.jsonl --record LOSS.jsonl ...` (the mean gap, each side's run-to-run sd, the standard error).
 source scripts/gpu/common.sh  # run from the repo root
-source scripts/gpu/loss_variants.sh  # loss_variant_flags
+source scripts/gpu/loss_variants.sh  # loss_variant_flags, parity_train_cmd
 MODE=${1:-run} VARIANT=${VARIANT:-base}
 DATA=${DATA:-data/embedded-large} VAL_EVERY=${VAL_EVERY:-10}
 DATE=$(date -u +%F)
@@ -59,10 +59,8 @@ done
 echo "record settings: ${ANCHOR_ARGS[*]}" | tee "$L/settings.log"
 id=small-gpu-parity
 [[ $VARIANT == base ]] || id+=-$VARIANT
-ours=(python3 -m track_1_short.train --preset small-gpu --data-dir "$DATA" --graphs on
-      --val-every "$VAL_EVERY" --val-tokens $(( VAL_TOKENS + 1 )) --val-tokens-per-batch "$VAL_SEQ"
-      --runs-dir "$OUT/runs" --no-save-final --log-every 1 ${MAX_STEPS:+--max-steps "$MAX_STEPS"}
-      --set schedule.stage_start_validation=next "${VARIANT_ARGS[@]}")
+parity_train_cmd "$DATA" "$VAL_EVERY" "$VAL_TOKENS" "$VAL_SEQ"
+ours=("${PARITY_TRAIN[@]}" ${MAX_STEPS:+--max-steps "$MAX_STEPS"} "${VARIANT_ARGS[@]}")
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
 if [[ "$MODE" == warmup ]]; then

@@ -36,6 +36,18 @@
 #               model.fp8.mlp_backward=bf16: the lm head in fp8 and the MLP forward in fp8 with
 #               its backward in bf16, as the record trains (facts 1.7; its eval is bf16, as
 #               ours): the parity run of 2026-12-02 had ours in bf16 against the record in fp8
+# `parity_train_cmd DATA VAL_EVERY VAL_TOKENS VAL_SEQ` sets the array PARITY_TRAIN to our trainer's
+# command for a loss comparison with the record, before the caller's --max-steps, --run-id and
+# variant flags (one definition for loss_parity.sh and loss_ablations.sh, so their runs pool):
+# small-gpu with graphs on DATA, validation every VAL_EVERY steps on the record's VAL_TOKENS
+# tokens in forwards of VAL_SEQ (our loader wants one token more), at a stage's first step in the
+# new stage's windows as the record validates, the train objective every step, runs in $OUT/runs.
+parity_train_cmd() {
+  PARITY_TRAIN=(python3 -m track_1_short.train --preset small-gpu --data-dir "$1" --graphs on
+                --val-every "$2" --val-tokens $(( $3 + 1 )) --val-tokens-per-batch "$4"
+                --runs-dir "$OUT/runs" --no-save-final --log-every 1
+                --set schedule.stage_start_validation=next)
+}
 loss_variant_flags() {
   case "$1" in
     base) ;;

@@ -10,8 +10,11 @@ shapes, compiled vs eager, captured and replayed, the delayed MLP-down scales un
 GPT fp8 vs bf16). Speed: 0.979x of bf16 at key A, forward + backward per micro-step on one H200
 (30.41 vs 31.07 ms; bench/model.py, docs/results/model_fp8_layouts_h200_A.json; the two earlier
 designs and their numbers are in docs/LOG.md, 2026-11-30); the training step at key C 0.947x of
-bf16 with every site fp8 (docs/results/step_variants_h200_2026-12-01_fp8_C.json). The effect on
-loss over a run is not measured (TODO(model owner)), so Fp8Config.enabled defaults to False.
+bf16 with every site fp8 (docs/results/step_variants_h200_2026-12-01_fp8_C.json). On loss, the
+record's fp8 (mlp_backward = "bf16") with its architecture stays within run-to-run noise of the
+record's curve on the same tokens (docs/results/loss_parity_embedded-large_head_mudd_fo_fp8_pooled_2026-12-02.json);
+fp8 against bf16 is not separated yet (one bf16 run) and keys B and D are not timed
+(TODO(model owner)), so Fp8Config.enabled defaults to False.
 
 The op (one definition, shared by eager, torch.compile and CUDA-graph capture):
     forward   x8 = q4(x / x_s), w8 = q4(w / w_s)      (e4m3, [T, K] and [K, N])
@@ -475,7 +478,7 @@ class Fp8Matmuls(PlainMatmuls):
 
     def __init__(self, cfg: Fp8Config, *, num_layers: int, grad_scale: float = 1.0):
         """grad_scale: the training loss's gradient scale, the upstream gradient of every token's
-        loss (1 / micro-steps: grad_handoff.GradHandoff.loss_scale). The lm head's e5m2 gradient
+        loss (1 / micro-steps: perf/cuda_graphs/grad_handoff.loss_scale). The lm head's e5m2 gradient
         scale is LM_HEAD_GRAD_SCALE x grad_scale, as HEAD's grad_s = grad_scale x 0.75 / 448
         (facts 1.7), so the quantised logit gradient keeps its range whatever the micro-step
         count (with 1 / 8 and the unscaled constant it sat 8x lower in e5m2, nearer its

@@ -12,7 +12,7 @@ MLP_BACKWARDS = ("fp8", "bf16")  # Fp8Config.mlp_backward
 
 @dataclass(slots=True, kw_only=True)
 class Fp8Config:
-    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until key C and loss are measured (fp8.py)
+    enabled: bool = False  # fp8 lm head + MLP on CUDA >= 8.9; off until every key is timed (fp8.py)
     # MLP down: forward calls per layer, after build or reset(), that quantise with the exact
     # current amax instead of the delayed scale (facts 3 "FP8 bootstrap": HEAD's steps < 16)
     bootstrap_steps: int = 16

@@ -43,6 +43,7 @@ from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys
+from track_1_short.perf.cuda_graphs.grad_handoff import loss_scale
 from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
 from track_1_short.perf.cuda_graphs.step_graphs import make_step_runner
 from track_1_short.perf.ngram_store import NgramStore
@@ -202,7 +203,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel,
-                       grad_scale=1.0 / spec.micro_steps)  # 1.-3. (GradHandoff.loss_scale)
+                       grad_scale=loss_scale(spec.micro_steps))  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,

@@ -39,6 +39,13 @@ if TYPE_CHECKING:
     from track_1_short.schedule import StepPlan
 
 
+
+def loss_scale(micro_steps: int) -> float:
+    """training_loss's grad_scale, the upstream gradient of every token's loss: each of a step's
+    micro-steps contributes 1 / micro_steps (also the fp8 lm head's gradient scale factor,
+    trainer/build.prepare_model)."""
+    return 1.0 / micro_steps
+
 class GradHandoff:
     """Sets p.grad after a backward as loss.backward() plus the plan's Adam cadence would.
 
@@ -64,8 +71,8 @@ class GradHandoff:
 
     @property
     def loss_scale(self) -> float:
-        """training_loss's grad_scale: each micro-step contributes 1 / micro_steps."""
-        return 1.0 / self.micro_steps
+        """training_loss's grad_scale (the module function loss_scale)."""
+        return loss_scale(self.micro_steps)
 
     def copies_adam(self, step: int, micro_step: int) -> bool:
         """Whether this backward's Adam gradients are copied into the accumulators (opening the
