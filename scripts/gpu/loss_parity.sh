@@ -63,26 +63,19 @@ parity_train_cmd "$DATA" "$VAL_EVERY" "$VAL_TOKENS" "$VAL_SEQ"
 ours=("${PARITY_TRAIN[@]}" ${MAX_STEPS:+--max-steps "$MAX_STEPS"} "${VARIANT_ARGS[@]}")
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
-if [[ "$MODE" == warmup ]]; then
-  run_anchor timing $(( $(left) - 40 )) TIMING_STAGES=0,1,2,3 "TIMING_DATA_DIR=$DATA" &
-  timeout -k 15 $(( $(left) - 20 )) "${ours[@]}" --warmup-only --run-id "$id-warmup" > "$L/$id-warmup.log" 2>&1 &
-  wait
-  cp "$OUT/anchor/timing.json" "$OUT/record_timing_4stages.json" 2>/dev/null
-  echo "loss_parity.sh warmup: done after $(elapsed) s" | tee -a "$L/settings.log"
-  pack_outputs anchor
-  exit 0
-fi
-
 # OURS_RUNS=N: ours N times one after the other beside the record's one run (run ids $id, $id-r2,
-# ...; a later one starts only with OURS_MIN_S left): ours takes ~150 s warm with MAX_STEPS=110,
-# the record ~295 s for its 188 steps, so two of ours fit beside it for the pooled comparison
-OURS_RUNS=${OURS_RUNS:-1} OURS_MIN_S=${OURS_MIN_S:-200}
+# ...; in warmup $id-w1, ...; each but a run's first starts only with OURS_MIN_S left): ours takes ~150 s warm with MAX_STEPS=110,
+# the record ~295 s for its 188 steps, so two of ours fit beside it for the pooled comparison.
+# In warmup (default 0) they follow ours' --warmup-only, while the record's 4-stage timing runs on.
+OURS_MIN_S=${OURS_MIN_S:-200}
+if [[ "$MODE" == warmup ]]; then OURS_RUNS=${OURS_RUNS:-0}; else OURS_RUNS=${OURS_RUNS:-1}; fi
 ours_runs() {
   local i rid
   for (( i = 1; i <= OURS_RUNS; i++ )); do
     rid=$id
-    (( i == 1 )) || rid=$id-r$i
-    if (( i > 1 && $(left) < OURS_MIN_S )); then
+    [[ $MODE == warmup ]] && rid=$id-w$i
+    [[ $MODE == run && $i -gt 1 ]] && rid=$id-r$i
+    if [[ $MODE == warmup || $i -gt 1 ]] && (( $(left) < OURS_MIN_S )); then
       echo "ours: skipped $rid, $(left) s left (OURS_MIN_S=$OURS_MIN_S)" | tee -a "$L/settings.log"
       return 0
     fi
@@ -90,6 +83,17 @@ ours_runs() {
     echo "ours: $rid exit $? after $(elapsed) s" | tee -a "$L/settings.log"
   done
 }
+if [[ "$MODE" == warmup ]]; then
+  run_anchor timing $(( $(left) - 40 )) TIMING_STAGES=0,1,2,3 "TIMING_DATA_DIR=$DATA" &
+  { timeout -k 15 $(( $(left) - 20 )) "${ours[@]}" --warmup-only --run-id "$id-warmup" > "$L/$id-warmup.log" 2>&1
+    ours_runs; } &
+  wait
+  cp "$OUT/anchor/timing.json" "$OUT/record_timing_4stages.json" 2>/dev/null
+  echo "loss_parity.sh warmup: done after $(elapsed) s" | tee -a "$L/settings.log"
+  pack_outputs anchor
+  exit 0
+fi
+
 run_anchor loss $(( $(left) - 40 )) "DATA_DIR=$DATA" VAL_BACKEND=aot_eager "${ANCHOR_ARGS[@]}" &
 ours_runs &
 wait
