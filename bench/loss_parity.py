@@ -60,15 +60,21 @@ cannot decide a 0.02 criterion: two runs of one trainer on the same tokens diffe
 (measured 2026-12-02, docs/results/README.md). Each run is checked against the other side as
 `build` checks one pair. Fields: command, corpus, [variant,] runs {ours, record} (the inputs as
 given), n {ours, record}, repeats_at_step, streams_differ_at_step, val [{step, ours, record, gap,
-ours_runs, record_runs}] (ours / record: the side's mean, gap = their difference),
+se, ours_runs, record_runs}] (ours / record: the side's mean, gap = their difference, se = the
+gap's standard error from that step's own spread on each side, null with a side of one run: the
+spread differs from step to step, e.g. ours ~0.002 at step 10 and ~0.03 at step 70 on
+embedded-large),
 run_to_run_sd {val {ours, record}, train {ours, record}} (pooled over the points before the
 repeat: sqrt(sum over steps and runs of (x - the step's side mean)^2 / (steps x (n - 1))); null
 for a side of one run; train: per stage as train_gap's stages), gap_se (the standard error of a
 gap of means: sqrt(sd_ours^2 / n_ours + sd_record^2 / n_record), null without both sd),
 max_excess_before_repeat {gap, step} (of the mean gap), over_margin_before_repeat (the steps whose
-mean gap exceeds PARITY_MARGIN), train_gap (train_gap of the two mean curves), train_spread
+mean gap exceeds PARITY_MARGIN), self_excess_before_repeat {ours, record} (per run, {gap, step}:
+the largest excess of that run over the mean of its own side's other runs before the repeat, the
+criterion applied to a trainer against itself; null for a side of one run), train_gap (train_gap of the two mean curves), train_spread
 {ours, record} ({step, spread}: the largest max - min over one side's runs at one step on the
-same tokens), transitions [{step, ours [jump per run], record [jump per run]}].
+same tokens), transitions [{step, ours [jump per run], record [jump per run], mean {ours,
+record}}] (mean: of the runs' jumps that were measured).
 
 Subcommands:
   build        the JSON above (scripts/gpu/loss_parity.sh after both runs)
@@ -438,6 +444,35 @@ def run_to_run_sd(runs: list[dict[int, float]], steps: list[int]) -> float | Non
     return float(np.sqrt(((x - x.mean(0)) ** 2).sum() / (len(steps) * (len(runs) - 1))))
 
 
+def point_se(ours: list[float], record: list[float]) -> float | None:
+    """The standard error of one point's gap of means, from that point's own sample variances
+    (ddof 1): sqrt(var_ours / n_ours + var_record / n_record); None with a side of one run."""
+    if len(ours) < 2 or len(record) < 2:
+        return None
+    return float(np.sqrt(np.var(ours, ddof=1) / len(ours) + np.var(record, ddof=1) / len(record)))
+
+
+def self_excess(runs: list[dict[int, float]], steps: list[int]) -> list[dict] | None:
+    """Per run, {gap, step}: the largest excess of that run over the mean of the same side's other
+    runs at the given steps (the parity criterion applied to one run of a trainer against itself,
+    which shows how often a single run misses it by noise alone); None for one run or no step."""
+    if len(runs) < 2 or not steps:
+        return None
+    out = []
+    for i, run in enumerate(runs):
+        others = [r for j, r in enumerate(runs) if j != i]
+        excess = {s: run[s] - float(np.mean([r[s] for r in others])) for s in steps}
+        worst = max(excess, key=excess.get)
+        out.append({"gap": excess[worst], "step": worst})
+    return out
+
+
+def mean_jump(jumps: list[float | None]) -> float | None:
+    """The mean of the runs' transition jumps that were measured (None entries left out)."""
+    known = [j for j in jumps if j is not None]
+    return float(np.mean(known)) if known else None
+
+
 def mean_curve(runs: list[dict[int, float]]) -> dict[int, float]:
     """step -> the mean over runs, at the steps every run has."""
     common = set.intersection(*(set(r) for r in runs))
@@ -477,6 +512,7 @@ def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus
     se = (float(np.sqrt(sd["ours"] ** 2 / len(ours) + sd["record"] ** 2 / len(records)))
           if None not in sd.values() else None)
     val = [{"step": s, "ours": o_mean[s], "record": r_mean[s], "gap": o_mean[s] - r_mean[s],
+            "se": point_se([v[s] for v in ours_val], [v[s] for v in rec_val]),
             "ours_runs": [v[s] for v in ours_val], "record_runs": [v[s] for v in rec_val]} for s in steps]
     gaps = {p["step"]: p["gap"] for p in val if p["step"] in before}
     worst = max(gaps, key=gaps.get, default=None)
@@ -498,9 +534,12 @@ def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus
                 out.append({"stage": name, "steps": [stage_steps[0], stage_steps[-1] + 1], "sd": value})
         return out or None
 
-    trans = [{"step": b, "ours": [(transition(r, b) or {}).get("jump") for r in o_train],
-              "record": [(transition(r, b) or {}).get("jump") for r in r_train]}
-             for b, _ in bounds[1:] if repeat_at is None or b + TRANSITION_WINDOW <= repeat_at]
+    trans = []
+    for b, _ in bounds[1:]:
+        if repeat_at is None or b + TRANSITION_WINDOW <= repeat_at:
+            jumps = {side: [(transition(r, b) or {}).get("jump") for r in runs]
+                     for side, runs in (("ours", o_train), ("record", r_train))}
+            trans.append({"step": b, **jumps, "mean": {side: mean_jump(j) for side, j in jumps.items()}})
     return {"command": {"script": script, "builder": builder_command()}, "corpus": corpus_name,
             "runs": {"ours": [str(o) for o in ours_dirs], "record": [str(r) for r in record_paths]},
             "n": {"ours": len(ours), "record": len(records)},
@@ -510,6 +549,8 @@ def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus
             "gap_se": se,
             "max_excess_before_repeat": {"gap": gaps[worst], "step": worst} if worst is not None else None,
             "over_margin_before_repeat": [s for s in before if gaps[s] > PARITY_MARGIN],
+            "self_excess_before_repeat": {"ours": self_excess(ours_val, before),
+                                          "record": self_excess(rec_val, before)},
             "train_gap": (train_gap(mean_curve(o_train), mean_curve(r_train), bounds, names, until)
                           if until != 0 else None),
             "train_spread": {"ours": largest_spread(o_train, until), "record": largest_spread(r_train, until)},

@@ -516,6 +516,12 @@ def test_pool_compares_the_mean_curves_and_measures_each_sides_run_to_run_spread
         (0, pytest.approx(10.1), pytest.approx(10.1)), (2, pytest.approx(8.1), pytest.approx(8.0)),
         (4, pytest.approx(6.2), pytest.approx(6.1))]
     assert out["val"][1]["ours_runs"] == [8.0, 8.2] and out["val"][1]["record_runs"] == [7.9, 8.1]
+    # each point's own standard error: step 0 only ours spreads (0.02 / 2), step 2 both sides
+    assert [p["se"] for p in out["val"][:2]] == [pytest.approx(0.1), pytest.approx(0.02 ** 0.5)]
+    # each run against its own side's other run, before the repeat (the first of equal excesses)
+    assert out["self_excess_before_repeat"] == {
+        "ours": [{"gap": pytest.approx(-0.2), "step": 0}, {"gap": pytest.approx(0.2), "step": 0}],
+        "record": [{"gap": pytest.approx(0.0), "step": 0}, {"gap": pytest.approx(0.2), "step": 2}]}
     # steps 0 and 2 (before the repeat): ours deviates by 0.1 at both, the record at step 2 only
     sd = out["run_to_run_sd"]["val"]
     assert sd["ours"] == pytest.approx(0.02 ** 0.5) and sd["record"] == pytest.approx(0.1)
@@ -539,6 +545,8 @@ def test_pool_of_one_run_a_side_has_no_spread_and_refuses_runs_of_two_configurat
     out = json.loads((tmp_path / "out" / "loss_parity_tiny_v_pooled_2026-12-02.json").read_text())
     assert out["run_to_run_sd"]["val"] == {"ours": None, "record": None} and out["gap_se"] is None
     assert out["train_gap"] is None and out["train_spread"] == {"ours": None, "record": None}
+    assert [p["se"] for p in out["val"]] == [None, None]
+    assert out["self_excess_before_repeat"] == {"ours": None, "record": None}
     other_seed = _our_run(tmp_path / "o2", data, {0: 10.0, 2: 8.0}, train_cfg={"seed": 1})
     assert _pool(tmp_path, [one, other_seed], [record], data) == 2
     err = capsys.readouterr().err
@@ -549,6 +557,11 @@ def test_pool_of_one_run_a_side_has_no_spread_and_refuses_runs_of_two_configurat
     assert "the record's runs to pool differ in config.iters: 9" in capsys.readouterr().err
     assert _pool(tmp_path, [one], [tmp_path / "nowhere"], data) == 2  # each run checked as build does
     assert "nowhere does not exist" in capsys.readouterr().err
+
+
+def test_pooled_transition_jumps_average_the_runs_that_measured_one():
+    assert loss_parity.mean_jump([-0.1, None, 0.3]) == pytest.approx(0.1)
+    assert loss_parity.mean_jump([None, None]) is None
 
 
 def test_anchor_args_reproduce_a_preset_schedule_and_our_validation_tokens(tmp_path, capsys):
