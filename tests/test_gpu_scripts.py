@@ -64,6 +64,29 @@ def test_variant_parses_and_builds(script, variant, tmp_path):
         GPT(cfg.model)
 
 
+def test_the_record_profile_is_the_ablations_together(tmp_path):
+    """--model-profile record (head_mudd) gives the config of its six feature ablations'
+    flags together, so each of its fields has its ablation; --set still overrides it; a preset
+    whose model it does not fit is refused naming the profile."""
+    assert _flags("loss_variants.sh", "head_mudd") == ["--model-profile", "record"]
+    parts = [f for v in ("uniform_o", "dense_wd", "no_trigram", "attn_in7", "mudd_dc", "mudd_conn")
+             for f in _flags("loss_variants.sh", v)]
+    common = ["--preset", "small-gpu", "--data-dir", str(tmp_path)]
+    profile = config.parse([*common, "--model-profile", "record"])
+    assert profile.to_dict() == config.parse([*common, *parts]).to_dict()
+    assert profile.to_dict() != config.parse(common).to_dict()
+    assert profile.model.mudd.dc and profile.model.attn_input_layer == 7
+    over = config.parse([*common, "--model-profile", "record", "--set", "model.mudd.dc=false"])
+    assert not over.model.mudd.dc and over.model.mudd.gates
+
+
+def test_the_record_profile_is_refused_where_the_model_does_not_fit(capsys):
+    with pytest.raises(SystemExit) as e:
+        config.parse(["--preset", "cpu-tiny", "--model-profile", "record"])
+    assert e.value.code == 2
+    assert "--model-profile record on preset cpu-tiny: GPTConfig.attn_input_layer=7" in capsys.readouterr().err
+
+
 def test_an_unknown_variant_is_refused():
     result = subprocess.run(
         ["bash", "-c", f"{_source('loss_variants.sh')} loss_variant_flags no_such_variant"],

@@ -37,6 +37,27 @@ PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
+# --model-profile NAME: a named set of model fields (as --set items), applied after the other
+# flags and before --set, which can override any of them; config.json holds the result, not the
+# name, so a run with the profile and one with the same fields by --set are one configuration.
+#   default  the preset's model
+#   record   the public record's architecture (modded-nanogpt HEAD as built here): attention
+#            output projections drawn like V, dense decayed Adam on a bigram-only n-gram table,
+#            layers 8-10 attending over norm(h_7), MUDD gates, DC and connections. Needs the
+#            11-layer model (speedrun, small-gpu). With the record's fp8 as well (--fp8 --set
+#            model.fp8.mlp_backward=bf16) its val loss matched the record's on the same tokens,
+#            within +0.02 at every point before the data repeat over nine runs of ours and five
+#            of the record (docs/results/loss_parity_embedded-large_head_mudd_fo_fp8_pooled_2026-12-02.json);
+#            it cost ~9% per step at stage C before two of DC's kernels were rewritten (not timed
+#            since; fast_head_mudd against fast in docs/results/step_variants_h200_2026-12-02_C.json).
+#            Each field is one ablation of scripts/gpu/loss_variants.sh (tests/test_gpu_scripts.py).
+MODEL_PROFILES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "record": ("model.attn_out_init=uniform", "model.ngram.update=dense",
+               "model.ngram.weight_decay=0.025", "model.ngram.trigram=false",
+               "model.attn_input_layer=7", "model.mudd.gates=true", "model.mudd.dc=true",
+               "model.mudd.connections=true"),
+}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -320,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--check-fraction", type=float,
         help=f"--graphs check: share of steps checked ({_by_preset(lambda c: c.graphs.check_fraction)})")
     _add_speed_flags(add)
+    add("--model-profile", choices=tuple(MODEL_PROFILES), default="default",
+        help="default: the preset's model; record: the public record's architecture (MUDD "
+             "gates, DC and connections, a bigram-only n-gram table with dense Adam, ...: "
+             "config.py's MODEL_PROFILES; the 11-layer presets only), applied before --set")
     add("--optimizer", choices=OPTIMIZERS, help="anvil (default) or adamw (baseline)")
     add("--seed", type=int, help=f"model init seed ({_by_preset(lambda c: c.train.seed)})")
     add("--data-seed", type=int, help=f"document order seed ({_by_preset(lambda c: c.data.seed)})")
@@ -489,6 +514,10 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
+    try:
+        with_sets(cfg, list(MODEL_PROFILES[args.model_profile]))
+    except ValueError as e:
+        raise ValueError(f"--model-profile {args.model_profile} on preset {args.preset}: {e}") from None
     # --set last; then every __post_init__ on the edited tree: a bad value fails, naming it
     return with_sets(cfg, args.set)
 

@@ -24,7 +24,9 @@
 #   mudd_dc     mudd_gates with --set model.mudd.dc=true: DC on layer 10 (HEAD's lightweight
 #               dynamically composable attention; in torch ops here)
 #   head_mudd   head_like with MUDD (gates, DC, connections) instead of the constant backout:
-#               HEAD's model
+#               HEAD's model, the trainer's --model-profile record (config.py's MODEL_PROFILES;
+#               tests/test_gpu_scripts.py checks it is the ablations uniform_o, dense_wd,
+#               no_trigram, attn_in7, mudd_dc and mudd_conn together)
 #   adamw       --optimizer adamw: the AdamW baseline instead of ANVIL + Adam
 #   file_order  --set data.shuffle=false: the train documents in file order, as the record reads
 #               them: on embedded-large with the small-gpu schedule every micro-batch then holds
@@ -65,9 +67,7 @@ loss_variant_flags() {
     mudd_gates) echo --set model.mudd.gates=true ;;
     mudd_conn) echo --set model.mudd.connections=true ;;
     mudd_dc) echo --set model.mudd.gates=true --set model.mudd.dc=true ;;
-    head_mudd) echo "$(loss_variant_flags uniform_o) $(loss_variant_flags dense_wd)" \
-                    "$(loss_variant_flags no_trigram) $(loss_variant_flags attn_in7)" \
-                    "$(loss_variant_flags mudd_dc) $(loss_variant_flags mudd_conn)" ;;
+    head_mudd) echo --model-profile record ;;
     adamw) echo --optimizer adamw ;;
     file_order) echo --set data.shuffle=false ;;
     head_mudd_fo) echo "$(loss_variant_flags head_mudd) $(loss_variant_flags file_order)" ;;
