@@ -25,7 +25,8 @@ the statistics start after it.
 
 Run (H200): PYTHONPATH=. python bench/step.py --stage C --steps 20 --graphs on,off \\
     --out docs/results/step_h200_C.json   (add --micro-steps 1 for one rank's step of 8 GPUs;
-    --set SECTION.FIELD=VALUE for a config variant, e.g. --set model.fp8.enabled=true)
+    --set SECTION.FIELD=VALUE for a config variant, e.g. --set model.fp8.enabled=true;
+    --model-profile record for the record's architecture, as the trainer's flag)
 Smoke (CPU, cpu-tiny model, eager): PYTHONPATH=. python bench/step.py --smoke --out /tmp/step.json
 """
 
@@ -63,8 +64,11 @@ UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits tha
 
 
 def base_config(args):
-    """The bench's preset with the --set items applied (config.with_sets: ValueError if bad)."""
-    return config_mod.with_sets(config_mod.preset("cpu-tiny" if args.smoke else "small-gpu"), args.set)
+    """The bench's preset with the model profile, then the --set items applied (as the trainer's
+    --model-profile and --set; ValueError if bad)."""
+    cfg = config_mod.with_model_profile(config_mod.preset("cpu-tiny" if args.smoke else "small-gpu"),
+                                        args.model_profile)
+    return config_mod.with_sets(cfg, args.set)
 
 
 def stage_config(args, graphs: str, runs_dir: Path):
@@ -182,6 +186,9 @@ def parse(argv):
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="a config field, as the trainer's --set (e.g. model.fp8.enabled=true "
                         "--set model.fp8.sites=mlp_up,mlp_down); recorded in the JSON")
+    p.add_argument("--model-profile", choices=tuple(config_mod.MODEL_PROFILES), default="default",
+                   help="the trainer's --model-profile (e.g. record: the record's architecture), "
+                        "applied before --set; recorded in the JSON")
     p.add_argument("--smoke", action="store_true", help="CPU: cpu-tiny model, eager, tiny run")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -198,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     results = common.Results(Path(args.out), device, stage=args.stage, steps=args.steps,
-                             micro_steps=args.micro_steps, config_set=args.set, variants={},
-                             errors={})
+                             micro_steps=args.micro_steps, model_profile=args.model_profile,
+                             config_set=args.set, variants={}, errors={})
     with tempfile.TemporaryDirectory() as runs:
         for graphs in args.graphs.split(","):
             row = common.run_guarded(graphs, lambda g=graphs: run_variant(args, g, Path(runs)),

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import step as bench_step
 from track_1_short import config
 from track_1_short.model.gpt import GPT
 
@@ -58,8 +59,15 @@ def test_every_script_has_variants():
 
 @pytest.mark.parametrize("script, variant", CASES, ids=[f"{s}:{v}" for s, v in CASES])
 def test_variant_parses_and_builds(script, variant, tmp_path):
+    """Each variant's flags as the program the script passes them to reads them: the trainer
+    (loss_variants.sh) or bench/step.py (fp8_step.sh), then the model built."""
     flags = _flags(script, variant)
-    cfg = config.parse(["--preset", "small-gpu", "--data-dir", str(tmp_path), *flags])
+    if script == "fp8_step.sh":
+        args = bench_step.parse(["--stage", "C", "--data-dir", str(tmp_path), *flags,
+                                 "--out", str(tmp_path / "o.json")])
+        cfg = bench_step.base_config(args)
+    else:
+        cfg = config.parse(["--preset", "small-gpu", "--data-dir", str(tmp_path), *flags])
     with torch.device("meta"):
         GPT(cfg.model)
 
@@ -78,6 +86,9 @@ def test_the_record_profile_is_the_ablations_together(tmp_path):
     assert profile.model.mudd.dc and profile.model.attn_input_layer == 7
     over = config.parse([*common, "--model-profile", "record", "--set", "model.mudd.dc=false"])
     assert not over.model.mudd.dc and over.model.mudd.gates
+    # bench/step.py's flag is the trainer's (fp8_step.sh passes head_mudd's flags to it)
+    bench = bench_step.parse(["--model-profile", "record", "--out", str(tmp_path / "o.json")])
+    assert bench_step.base_config(bench).model == profile.model
 
 
 def test_the_record_profile_is_refused_where_the_model_does_not_fit(capsys):

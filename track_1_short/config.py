@@ -445,6 +445,18 @@ def with_sets(cfg: RunConfig, items: list[str]) -> RunConfig:
     return cfg
 
 
+def with_model_profile(cfg: RunConfig, name: str) -> RunConfig:
+    """cfg with MODEL_PROFILES[name]'s fields applied (with_sets), for the trainer's and the
+    bench's --model-profile: an unknown name or a preset the profile does not fit is a ValueError
+    naming the profile and the preset."""
+    if name not in MODEL_PROFILES:
+        raise ValueError(f"--model-profile {name!r}: one of {', '.join(MODEL_PROFILES)}")
+    try:
+        return with_sets(cfg, list(MODEL_PROFILES[name]))
+    except ValueError as e:
+        raise ValueError(f"--model-profile {name} on preset {cfg.preset}: {e}") from None
+
+
 def _validate_tree(obj) -> None:
     """Re-run __post_init__ on every dataclass of the tree, leaves first."""
     for f in dataclasses.fields(obj):
@@ -514,10 +526,7 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
-    try:
-        with_sets(cfg, list(MODEL_PROFILES[args.model_profile]))
-    except ValueError as e:
-        raise ValueError(f"--model-profile {args.model_profile} on preset {args.preset}: {e}") from None
+    with_model_profile(cfg, args.model_profile)
     # --set last; then every __post_init__ on the edited tree: a bad value fails, naming it
     return with_sets(cfg, args.set)
 

@@ -19,7 +19,9 @@
 # stage 2 after 358 s; ours takes ~130 s cold per stage (compile + capture + self-check + 22
 # steps). STAGES="A C" fits only a machine whose caches are warm for both (the same machine within
 # its idle window: the record's caches stay in .carry/anchor_work, ours in build/inductor_cache).
-# OURS_SET="SECTION.FIELD=VALUE ..." passes --set items to ours, e.g. the winners of
+# OURS_PROFILE=record runs ours with --model-profile record (the record's architecture, whose
+# loss matched the record's: the like-for-like step); OURS_SET="SECTION.FIELD=VALUE ..." passes
+# --set items to ours (after the profile), e.g. the winners of
 # fp8_step.sh: OURS_SET="model.attention_backend=fa4 train.mlp_kernel=quack". With fa4 or quack
 # the packages come as in fp8_step.sh (the call before carries [".carry/fa4a"]; this one adds
 # ".carry/fa4b" and, to stay under 64 MiB, DATA=data/embedded instead of data/embedded-large,
@@ -43,7 +45,7 @@ for stage in $STAGES; do
   n=$(( n + 1 ))
 done
 (( n > 0 )) || { echo "vs_record.sh: STAGES is empty; set STAGES=C or STAGES=A" >&2; exit 2; }
-ours_set=()
+ours_set=(--model-profile "${OURS_PROFILE:-default}")
 for item in ${OURS_SET:-}; do ours_set+=(--set "$item"); done
 if [[ "${OURS_SET:-}" =~ (fa4|quack) ]]; then
   use_fa4_packages
@@ -64,6 +66,6 @@ for stage in $STAGES; do  # each of ours gets an equal share of what is left
 done
 python3 bench/vs_record.py --record "$OUT/anchor/timing.json" "${ours_json[@]}" \
     --stages "${STAGES// /,}" --machine "$MACHINE" --date "$DATE" --out-dir "$OUT" \
-    --script "STAGES='$STAGES' ${OURS_SET:+OURS_SET='$OURS_SET' }bash scripts/gpu/vs_record.sh" 2>&1 | tee "$L/vs_record.log"
+    --script "STAGES='$STAGES' ${OURS_PROFILE:+OURS_PROFILE=$OURS_PROFILE }${OURS_SET:+OURS_SET='$OURS_SET' }bash scripts/gpu/vs_record.sh" 2>&1 | tee "$L/vs_record.log"
 echo "vs_record.sh: done after $(elapsed) s" | tee -a "$L/vs_record.log"
 pack_outputs anchor
