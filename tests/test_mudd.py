@@ -17,7 +17,7 @@ from micro import nano_config
 
 from track_1_short.model.gpt import GPT, GPTConfig, INITS, rms_norm
 from track_1_short.model.attention import document_ids
-from track_1_short.model.mudd import CONNECTION_IN, GateLayout, dc_correction, xsa
+from track_1_short.model.mudd import CONNECTION_IN, CoefBlocks, GateLayout, dc_correction, xsa
 from track_1_short.model.mudd_config import MuddConfig
 from track_1_short.optim.anvil_config import build_param_cfgs
 from track_1_short.train import train
@@ -120,6 +120,38 @@ def test_at_init_the_connected_model_is_the_constant_backout():
     both = _model(mudd=_mudd(**BOTH, ve_gate_init=1.0, attn_gate_init=1.0))
     _same_weights(both, base)
     assert torch.allclose(_trunk(both, inputs, cu), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_coefficients_over_aligned_columns_equal_the_plain_formula(dtype):
+    """CoefBlocks computes its output GEMM over GEMM_ALIGN-padded columns: values and every
+    gradient equal (W2 gelu(W1 x) + b) * s with the block's n columns, within rounding (26 and 41
+    here, neither a multiple of 8; and 5, fewer than 8)."""
+    torch.manual_seed(0)
+    blocks = CoefBlocks(32, 16, [[0.1] * 26, [0.2] * 41, [0.3] * 5], scale=0.5, learn_scale=True)
+    with torch.no_grad():
+        blocks.w2.normal_()
+    x = torch.randn(40, 32, dtype=dtype)
+    for block, n in enumerate((26, 41, 5)):
+        blocks.zero_grad()
+        xs = x.clone().requires_grad_()
+        out = blocks(xs, block)
+        assert out.shape == (40, n) and out.dtype == dtype
+        g = torch.randn_like(out)
+        (out * g).sum().backward()
+        got = [xs.grad, blocks.w1.grad, blocks.w2.grad, blocks.b2.grad, blocks.scale.grad]
+        ref_params = [p.detach().clone().requires_grad_() for p in (blocks.w1, blocks.w2, blocks.b2, blocks.scale)]
+        w1, w2, b2, scale = ref_params
+        xr = x.clone().requires_grad_()
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(xr, w1[block].to(dtype)))
+        ref = (torch.nn.functional.linear(h, w2[block, :n].to(dtype)) + b2[block, :n].to(dtype)) * scale.to(dtype)
+        (ref * g).sum().backward()
+        # float32: within rounding (a GEMM of another width may sum in another order)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(out, ref, **tol)
+        for a, b in zip(got, [xr.grad, w1.grad, w2.grad, b2.grad, scale.grad]):
+            torch.testing.assert_close(a, b, **tol)
+        assert blocks.w2.grad[block, n:].abs().sum() == 0  # the padding reaches no parameter
 
 
 def test_xsa_removes_the_component_along_the_own_value():

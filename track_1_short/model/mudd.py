@@ -50,6 +50,12 @@ CONNECTION_IN = ("v_embed", "v_source", "v_self", "r_embed", "r_source", "r_self
 # block 1, after the last layer: x += sum of these sources, each with its own coefficient
 CONNECTION_OUT = ("embed", "source", "previous", "value_embed", "skip")
 XSA_EPS = 1e-8  # XSA's floor on |v|^2
+# a coefficient block's output GEMM is computed GEMM_ALIGN columns at a time (zero weight rows
+# pad it, the extra columns are dropped): a row of n bf16 outputs is 16-byte aligned only for n a
+# multiple of 8, and the blocks' n (26, 41, 14, 5 in the speedrun model) made cuBLAS fall back to
+# align1 kernels, ~4 ms per stage-C step on the H200 (fast_head_mudd in
+# docs/results/step_variants_h200_2026-12-02_C.json)
+GEMM_ALIGN = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +91,13 @@ class CoefBlocks(nn.Module):
             self.scale = scale
 
     def forward(self, x: Tensor, block: int) -> Tensor:
-        """Block `block`'s coefficients for x [T, D] -> [T, num_coefs[block]], x's dtype."""
+        """Block `block`'s coefficients for x [T, D] -> [T, num_coefs[block]], x's dtype (the
+        output GEMM over GEMM_ALIGN-padded columns: the same values as the n-column one)."""
         n = self.num_coefs[block]
+        n_pad = -(-n // GEMM_ALIGN) * GEMM_ALIGN
         h = F.gelu(F.linear(x, self.w1[block].to(x.dtype)))  # [T, hidden]
-        out = F.linear(h, self.w2[block, :n].to(x.dtype)) + self.b2[block, :n].to(x.dtype)
+        w2 = F.pad(self.w2[block, :n], (0, 0, 0, n_pad - n))  # [n_pad, hidden], zero rows after n
+        out = F.linear(h, w2.to(x.dtype))[:, :n] + self.b2[block, :n].to(x.dtype)
         scale = self.scale.to(x.dtype) if isinstance(self.scale, Tensor) else self.scale
         return out * scale  # [T, n]
 
