@@ -63,10 +63,11 @@ parity_train_cmd "$DATA" "$VAL_EVERY" "$VAL_TOKENS" "$VAL_SEQ"
 ours=("${PARITY_TRAIN[@]}" ${MAX_STEPS:+--max-steps "$MAX_STEPS"} "${VARIANT_ARGS[@]}")
 echo "ours: ${ours[*]}" | tee -a "$L/settings.log"
 
-# OURS_RUNS=N: ours N times one after the other beside the record's one run (run ids $id, $id-r2,
-# ...; in warmup $id-w1, ...; each but a run's first starts only with OURS_MIN_S left): ours takes ~150 s warm with MAX_STEPS=110,
-# the record ~295 s for its 188 steps, so two of ours fit beside it for the pooled comparison.
-# In warmup (default 0) they follow ours' --warmup-only, while the record's 4-stage timing runs on.
+# OURS_RUNS=N: ours N times one after the other beside the record's one run (run ids $id,
+# $id-r2, ...; in warmup $id-w1, ...; each but a run's first starts only with OURS_MIN_S left).
+# Ours takes ~150 s warm with MAX_STEPS=110, the record ~295 s for its 188 steps, so two of ours
+# fit beside it for the pooled comparison (2026-12-02: 326-343 s per call). In warmup (default 0)
+# they follow ours' --warmup-only while the record's 4-stage timing runs on (517 s with one).
 OURS_MIN_S=${OURS_MIN_S:-200}
 if [[ "$MODE" == warmup ]]; then OURS_RUNS=${OURS_RUNS:-0}; else OURS_RUNS=${OURS_RUNS:-1}; fi
 ours_runs() {

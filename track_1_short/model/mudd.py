@@ -52,9 +52,10 @@ CONNECTION_OUT = ("embed", "source", "previous", "value_embed", "skip")
 XSA_EPS = 1e-8  # XSA's floor on |v|^2
 # a coefficient block's output GEMM is computed GEMM_ALIGN columns at a time (zero weight rows
 # pad it, the extra columns are dropped): a row of n bf16 outputs is 16-byte aligned only for n a
-# multiple of 8, and the blocks' n (26, 41, 14, 5 in the speedrun model) made cuBLAS fall back to
-# align1 kernels, ~4 ms per stage-C step on the H200 (fast_head_mudd in
-# docs/results/step_variants_h200_2026-12-02_C.json)
+# multiple of 8, which the blocks' n (26, 41, 14, 5 in the speedrun model) are not. With MUDD on,
+# a cuBLAS align1 GEMM kernel took 3.98 ms per stage-C step on the H200 (none without MUDD;
+# fast_head_mudd against fast in docs/results/step_variants_h200_2026-12-02_C.json), most likely
+# these GEMMs; the padded ones are not timed yet
 GEMM_ALIGN = 8
 
 
