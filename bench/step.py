@@ -66,9 +66,8 @@ UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits tha
 def base_config(args):
     """The bench's preset with the model profile, then the --set items applied (as the trainer's
     --model-profile and --set; ValueError if bad)."""
-    cfg = config_mod.with_model_profile(config_mod.preset("cpu-tiny" if args.smoke else "small-gpu"),
-                                        args.model_profile)
-    return config_mod.with_sets(cfg, args.set)
+    return config_mod.with_profile_and_sets(config_mod.preset("cpu-tiny" if args.smoke else "small-gpu"),
+                                            args.model_profile, args.set)
 
 
 def stage_config(args, graphs: str, runs_dir: Path):

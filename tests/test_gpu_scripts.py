@@ -96,6 +96,15 @@ def test_the_record_profile_is_refused_where_the_model_does_not_fit(capsys):
         config.parse(["--preset", "cpu-tiny", "--model-profile", "record"])
     assert e.value.code == 2
     assert "--model-profile record on preset cpu-tiny: GPTConfig.attn_input_layer=7" in capsys.readouterr().err
+    # a --set can settle what the profile alone would not: validated once, after both
+    cfg = config.parse(["--preset", "cpu-tiny", "--model-profile", "record",
+                        "--set", "model.attn_input_layer=none"])
+    assert cfg.model.attn_input_layer is None and cfg.model.mudd.gates
+    # an error of the other flags is theirs, not the profile's
+    with pytest.raises(SystemExit):
+        config.parse(["--preset", "small-gpu", "--model-profile", "record", "--set", "optim.lr=x"])
+    err = capsys.readouterr().err
+    assert "--set optim.lr=x" in err and "--model-profile" not in err
 
 
 def test_an_unknown_variant_is_refused():

@@ -21,6 +21,7 @@ Presets:
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import types
@@ -445,16 +446,24 @@ def with_sets(cfg: RunConfig, items: list[str]) -> RunConfig:
     return cfg
 
 
-def with_model_profile(cfg: RunConfig, name: str) -> RunConfig:
-    """cfg with MODEL_PROFILES[name]'s fields applied (with_sets), for the trainer's and the
-    bench's --model-profile: an unknown name or a preset the profile does not fit is a ValueError
-    naming the profile and the preset."""
-    if name not in MODEL_PROFILES:
-        raise ValueError(f"--model-profile {name!r}: one of {', '.join(MODEL_PROFILES)}")
+def with_profile_and_sets(cfg: RunConfig, profile: str, items: list[str]) -> RunConfig:
+    """cfg with MODEL_PROFILES[profile]'s fields, then the --set items, applied, and the tree
+    validated once (so a --set can settle what the profile alone would not), for the trainer's
+    and the bench's --model-profile and --set. A ValueError names the item or value; one that
+    only the profile brings (the same flags without it pass) also names the profile and the
+    preset."""
+    if profile not in MODEL_PROFILES:
+        raise ValueError(f"--model-profile {profile!r}: one of {', '.join(MODEL_PROFILES)}")
+    without = copy.deepcopy(cfg)
     try:
-        return with_sets(cfg, list(MODEL_PROFILES[name]))
+        for item in MODEL_PROFILES[profile]:
+            _apply_set(cfg, item)
+        return with_sets(cfg, items)
     except ValueError as e:
-        raise ValueError(f"--model-profile {name} on preset {cfg.preset}: {e}") from None
+        if not MODEL_PROFILES[profile]:
+            raise
+        with_sets(without, items)  # raises the flags' own error if they fail without the profile
+        raise ValueError(f"--model-profile {profile} on preset {cfg.preset}: {e}") from None
 
 
 def _validate_tree(obj) -> None:
@@ -526,9 +535,9 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             setattr(obj, name, True)
     if args.no_save_final:
         cfg.train.save_final = False
-    with_model_profile(cfg, args.model_profile)
-    # --set last; then every __post_init__ on the edited tree: a bad value fails, naming it
-    return with_sets(cfg, args.set)
+    # the model profile, then --set; then every __post_init__ on the edited tree: a bad value
+    # fails, naming it
+    return with_profile_and_sets(cfg, args.model_profile, args.set)
 
 
 def parse(argv: list[str] | None = None) -> RunConfig:
