@@ -124,3 +124,18 @@ def test_max_autotune_reaches_the_training_forward_only(monkeypatch):
     for bad in (dict(compile=False), dict(compile_backend="aot_eager")):
         with pytest.raises(ValueError, match="max_autotune needs the compiled model"):
             TrainConfig(max_autotune=True, **bad)
+
+
+def test_every_trainer_flag_has_a_row_in_the_readme():
+    """README.md's "Trainer flags" table names every flag the trainer's parser takes (so a new
+    flag cannot land undocumented), and names no flag the parser lacks."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("## Trainer flags"):readme.index("## Runs, checkpoints")]
+    parser_flags = {o for a in config_mod.build_parser()._actions for o in a.option_strings
+                    if o.startswith("--") and o != "--help"}
+    assert sorted(f for f in parser_flags if f not in table) == []
+    rows = {f for line in table.splitlines() if line.startswith("| `--")
+            for f in re.findall(r"`(--[a-z0-9-]+)", line.split(" | ")[0])}
+    assert sorted(rows - parser_flags) == []
