@@ -73,6 +73,37 @@ def test_without_trigrams_only_the_bigram_rows_contribute():
     assert not outs["without_grad"][24:].any() and outs["with_grad"][24:].any()
 
 
+def test_without_trigrams_the_trigram_rows_are_dead_so_a_small_half_trains_the_same():
+    """NgramConfig.trigram False, dense decayed Adam (the record profile's n-gram table): the
+    trigram rows are never read and stay zero through every event, so a table with 8 trigram
+    rows (MODEL_PROFILES["record"]) trains its bigram rows bitwise as one with the full half,
+    which the dense event would sweep for nothing."""
+    stores = [_store(_cfg(trigram=False, update="dense", weight_decay=0.025, trigram_rows=g))
+              for g in (89, 8)]
+    torch.manual_seed(0)
+    init = torch.randn(97, 8, dtype=torch.float64)
+    for store in stores:
+        store.table[:97].copy_(init)
+    for step in range(6):
+        x = _tokens(16, seed=step)
+        upstream = torch.randn(16, 8, dtype=torch.float64)
+        for store in stores:
+            ids = store.lookup.row_ids(x)
+            sink = store.lookup.grad_sink(16)
+            (store.lookup.gather(store.slots_for(x, ids), sink) * upstream).sum().backward()
+            store.hold(sink.grad, ids)  # [2T, R]: its trigram half is zero (trigram off)
+            sink.grad = None  # the next micro-step's gradient alone, as the trainer's replay writes it
+            if step % 2 == 1:
+                store.update_event(step)
+    full, small = stores
+    assert full.num_updates == small.num_updates == 3
+    for name in ("table", "exp_avg", "exp_avg_sq"):
+        a, b = getattr(full, name), getattr(small, name)
+        assert torch.equal(a[:97], b[:97]), name
+        assert not a[97:].any() and not b[97:].any(), name  # the trigram rows never move
+    assert not torch.equal(full.table[:97], init)  # the bigram rows did train
+
+
 def test_gather_and_sink_grad_equal_dense_embedding():
     torch.manual_seed(0)
     table = _store(_cfg())

@@ -52,11 +52,17 @@ MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 #            it cost ~9% per step at stage C before two of DC's kernels were rewritten (not timed
 #            since; fast_head_mudd against fast in docs/results/step_variants_h200_2026-12-02_C.json).
 #            Each field is one ablation of scripts/gpu/loss_variants.sh (tests/test_gpu_scripts.py).
+#            Without trigrams the trigram rows are dead (never read, zero through every event:
+#            tests/test_ngram_table.py), so the profile keeps 8 of them (the reserved row, and a
+#            table of 377,288 rows that 2, 4 and 8 ranks divide) instead of 377,280: the dense
+#            event then sweeps half the rows and state, and the table and its state take ~4.6 GB
+#            less (the parity runs of 2026-12-02 kept the full half: the same arithmetic on every
+#            bigram row, bitwise equal on the CPU).
 MODEL_PROFILES: dict[str, tuple[str, ...]] = {
     "default": (),
     "record": ("model.attn_out_init=uniform", "model.ngram.update=dense",
                "model.ngram.weight_decay=0.025", "model.ngram.trigram=false",
-               "model.attn_input_layer=7", "model.mudd.gates=true", "model.mudd.dc=true",
+               "model.ngram.trigram_rows=8", "model.attn_input_layer=7", "model.mudd.gates=true", "model.mudd.dc=true",
                "model.mudd.connections=true"),
 }
 

@@ -12,7 +12,10 @@
 #   dense_ngram --set model.ngram.update=dense: dense Adam on the n-gram table (HEAD's bigram)
 #   dense_wd    dense_ngram with --set model.ngram.weight_decay=0.025: HEAD's bigram Adam also
 #               decays (cautious, lr^2 x 0.005 x wd_mul 5)
-#   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams)
+#   no_trigram  --set model.ngram.trigram=false: the bigram table alone (HEAD has no trigrams),
+#               with --set model.ngram.trigram_rows=8: the dead trigram rows left out (runs before
+#               2026-12-02's twelfth session kept all 377,280 of them: the same arithmetic on every
+#               bigram row, but another config.json, so `pool` keeps them apart)
 #   attn_in7    --set model.attn_input_layer=7: layers 8-10 attend over norm(h_7) (HEAD)
 #   backout7    --set model.backout_layer=7 --set model.backout=-0.5: the final norm reads
 #               x - 0.5 h_7 (HEAD's post-loop coefficient at init)
@@ -58,7 +61,7 @@ loss_variant_flags() {
     uniform_o) echo --set model.attn_out_init=uniform ;;
     dense_ngram) echo --set model.ngram.update=dense ;;
     dense_wd) echo --set model.ngram.update=dense --set model.ngram.weight_decay=0.025 ;;
-    no_trigram) echo --set model.ngram.trigram=false ;;
+    no_trigram) echo --set model.ngram.trigram=false --set model.ngram.trigram_rows=8 ;;
     attn_in7) echo --set model.attn_input_layer=7 ;;
     backout7) echo --set model.backout_layer=7 --set model.backout=-0.5 ;;
     head_like) echo "$(loss_variant_flags uniform_o) $(loss_variant_flags dense_wd)" \

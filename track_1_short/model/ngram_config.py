@@ -39,7 +39,10 @@ class NgramConfig:
     # "dense" (every row, a zero gradient for the untouched: momentum keeps moving a row after
     # its last touch, as HEAD's dense Adam on bigram_embed); a loss-parity ablation until measured
     update: str = "lazy"
-    trigram: bool = True  # False: the bigram table alone (the lookup leaves the trigram half out)
+    # False: the bigram table alone (the lookup leaves the trigram half out); the trigram rows
+    # are then dead (never read or moved), so set trigram_rows small too (8 in the record
+    # profile, config.py): else the dense event sweeps them and they hold memory for nothing
+    trigram: bool = True
     seed: int = 0  # sign buffer generator seed (identical on every rank without a broadcast)
     bos_id: int = BOS_ID
 
