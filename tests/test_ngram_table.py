@@ -97,6 +97,16 @@ def test_without_trigrams_the_trigram_rows_are_dead_so_a_small_half_trains_the_s
                 store.update_event(step)
     full, small = stores
     assert full.num_updates == small.num_updates == 3
+    # the hold adds the bigram half alone: no trigram row (the reserved one) is ever touched
+    x = _tokens(16, seed=9)
+    ids = small.lookup.row_ids(x)
+    sink = small.lookup.grad_sink(16)
+    (small.lookup.gather(small.slots_for(x, ids), sink) * torch.randn(16, 8, dtype=torch.float64)).sum().backward()
+    small.hold(sink.grad, ids)
+    assert not small.touched[97:].any() and small.touched[ids[:16]].all()
+    expected = torch.zeros_like(small.grad_acc).index_add_(0, ids, sink.grad)  # both halves
+    assert torch.equal(small.grad_acc, expected)  # the same sums: the trigram half was zero
+    sink.grad = None
     for name in ("table", "exp_avg", "exp_avg_sq"):
         a, b = getattr(full, name), getattr(small, name)
         assert torch.equal(a[:97], b[:97]), name
