@@ -62,8 +62,8 @@ MODEL_PROFILES: dict[str, tuple[str, ...]] = {
     "default": (),
     "record": ("model.attn_out_init=uniform", "model.ngram.update=dense",
                "model.ngram.weight_decay=0.025", "model.ngram.trigram=false",
-               "model.ngram.trigram_rows=8", "model.attn_input_layer=7", "model.mudd.gates=true", "model.mudd.dc=true",
-               "model.mudd.connections=true"),
+               "model.ngram.trigram_rows=8", "model.attn_input_layer=7",
+               "model.mudd.gates=true", "model.mudd.dc=true", "model.mudd.connections=true"),
 }
 
 
