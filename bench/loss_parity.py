@@ -71,9 +71,9 @@ gap of means: sqrt(sd_ours^2 / n_ours + sd_record^2 / n_record), null without bo
 max_excess_before_repeat {gap, step} (of the mean gap), over_margin_before_repeat (the steps whose
 mean gap exceeds PARITY_MARGIN), self_excess_before_repeat {ours, record} (per run, {gap, step}:
 the largest excess of that run over the mean of its own side's other runs before the repeat, the
-criterion applied to a trainer against itself; null for a side of one run), train_gap (train_gap of the two mean curves), train_spread
-{ours, record} ({step, spread}: the largest max - min over one side's runs at one step on the
-same tokens), transitions [{step, ours [jump per run], record [jump per run], mean {ours,
+criterion applied to a trainer against itself; null for a side of one run), train_gap
+(train_gap of the two mean curves), train_spread {ours, record} ({step, spread}: the largest
+max - min over one side's runs at one step on the same tokens), transitions [{step, ours [jump per run], record [jump per run], mean {ours,
 record}}] (mean: of the runs' jumps that were measured).
 
 Subcommands:
@@ -354,6 +354,19 @@ def same(what: str, ours, ours_src: str, record, record_src: str) -> None:
 
 # ---------------------------------------------------------------- build
 
+def earliest(*steps: int | None) -> int | None:
+    """The first of the given steps that come (None ones never do), None if none comes: e.g. the
+    first repeat of either loader, or the first step whose batches differ between the sides."""
+    found = [s for s in steps if s is not None]
+    return min(found) if found else None
+
+
+def largest_excess(gap_by_step: dict[int, float]) -> dict | None:
+    """{gap, step}: the largest signed gap (the first step of equal ones); None for no step."""
+    step = max(gap_by_step, key=gap_by_step.get, default=None)
+    return None if step is None else {"gap": gap_by_step[step], "step": step}
+
+
 def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, script: str | None) -> dict:
     cfg, ours_val, ours_train, summary = load_ours(ours_dir)
     record_curve, rec, loss_json = load_record(record_path)
@@ -379,8 +392,7 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
     repeats = {"ours": ours_first_repeat(train, cfg["data"]["seed"], cfg["data"]["shuffle"], steps, slices),
                "record": record_first_repeat(train, steps),
                "token_count_bound": token_count_bound(steps, slices, train_tokens)}
-    found = [s for s in (repeats["ours"], repeats["record"]) if s is not None]
-    repeat_at = min(found) if found else None
+    repeat_at = earliest(repeats["ours"], repeats["record"])
 
     ours_by_step = {r["step"]: r["val_loss"] for r in ours_val}  # a resumed run: its last value
     rec_by_step = {r["step"]: r["val_loss"] for r in record_curve["val_curve"]}
@@ -388,9 +400,7 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
               for s in sorted(set(ours_by_step) & set(rec_by_step))]
     before = [p for p in points if repeat_at is None or p["step"] <= repeat_at]
     worst = max(before, key=lambda p: abs(p["ours"] - p["record"]), default=None)
-    excess = max(before, key=lambda p: p["ours"] - p["record"], default=None)
     record_train = record_train_losses(Path(record_curve["source"]))
-    same_until = [s for s in (repeat_at, streams_differ_at) if s is not None]
     return {"command": {"script": script, "builder": builder_command(),
                         "record": (rec.get("run") or {}).get("command")},
             "corpus": corpus_name, "corpus_tokens": train_tokens,
@@ -405,11 +415,10 @@ def build(ours_dir: Path, record_path: Path, data_dir: Path, corpus_name: str, s
             "val": points,
             "max_gap_before_repeat": worst["ours"] - worst["record"] if worst else None,
             "max_gap_step": worst["step"] if worst else None,
-            "max_excess_before_repeat": ({"gap": excess["ours"] - excess["record"], "step": excess["step"]}
-                                         if excess else None),
+            "max_excess_before_repeat": largest_excess({p["step"]: p["ours"] - p["record"] for p in before}),
             "transitions": transitions(ours_train, record_train, boundaries(shapes), repeat_at),
             "train_gap": train_gap(ours_train, record_train, boundaries(shapes),
-                                   [s.name for s in shapes], min(same_until) if same_until else None),
+                                   [s.name for s in shapes], earliest(repeat_at, streams_differ_at)),
             "complete": {"ours": summary is not None, "record": rec.get("status") == "complete"}}
 
 
@@ -461,9 +470,7 @@ def self_excess(runs: list[dict[int, float]], steps: list[int]) -> list[dict] | 
     out = []
     for i, run in enumerate(runs):
         others = [r for j, r in enumerate(runs) if j != i]
-        excess = {s: run[s] - float(np.mean([r[s] for r in others])) for s in steps}
-        worst = max(excess, key=excess.get)
-        out.append({"gap": excess[worst], "step": worst})
+        out.append(largest_excess({s: run[s] - float(np.mean([r[s] for r in others])) for s in steps}))
     return out
 
 
@@ -515,14 +522,12 @@ def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus
             "se": point_se([v[s] for v in ours_val], [v[s] for v in rec_val]),
             "ours_runs": [v[s] for v in ours_val], "record_runs": [v[s] for v in rec_val]} for s in steps]
     gaps = {p["step"]: p["gap"] for p in val if p["step"] in before}
-    worst = max(gaps, key=gaps.get, default=None)
 
     shapes = stage_shapes(ours[0][0]["schedule"]["stages"])
     bounds, names = boundaries(shapes), [s.name for s in shapes]
     o_train = [run[2] for run in ours]
     r_train = [record_train_losses(Path(curve["source"])) for curve, _, _ in records]
-    same_until = [s for s in (repeat_at, differ_at) if s is not None]
-    until = min(same_until) if same_until else None
+    until = earliest(repeat_at, differ_at)
 
     def train_sd(runs: list[dict[int, float]]) -> list[dict] | None:
         common = mean_curve(runs)
@@ -547,7 +552,7 @@ def pool(ours_dirs: list[Path], record_paths: list[Path], data_dir: Path, corpus
             "val": val,
             "run_to_run_sd": {"val": sd, "train": {"ours": train_sd(o_train), "record": train_sd(r_train)}},
             "gap_se": se,
-            "max_excess_before_repeat": {"gap": gaps[worst], "step": worst} if worst is not None else None,
+            "max_excess_before_repeat": largest_excess(gaps),
             "over_margin_before_repeat": [s for s in before if gaps[s] > PARITY_MARGIN],
             "self_excess_before_repeat": {"ours": self_excess(ours_val, before),
                                           "record": self_excess(rec_val, before)},

@@ -460,14 +460,13 @@ def with_profile_and_sets(cfg: RunConfig, profile: str, items: list[str]) -> Run
     preset."""
     if profile not in MODEL_PROFILES:
         raise ValueError(f"--model-profile {profile!r}: one of {', '.join(MODEL_PROFILES)}")
+    fields = list(MODEL_PROFILES[profile])
+    if not fields:
+        return with_sets(cfg, items)
     without = copy.deepcopy(cfg)
     try:
-        for item in MODEL_PROFILES[profile]:
-            _apply_set(cfg, item)
-        return with_sets(cfg, items)
+        return with_sets(cfg, fields + items)
     except ValueError as e:
-        if not MODEL_PROFILES[profile]:
-            raise
         with_sets(without, items)  # raises the flags' own error if they fail without the profile
         raise ValueError(f"--model-profile {profile} on preset {cfg.preset}: {e}") from None
 

@@ -102,6 +102,18 @@ class NgramLookup(nn.Module):
         tri = torch.where(trigram_ok, h3 % (g - 1) + b, b + g - 1)
         return torch.cat([big, tri])
 
+    def read_rows(self, ids: Tensor, sink_grad: Tensor) -> tuple[Tensor, Tensor]:
+        """The part of a micro-step's row ids [2T] and sink gradient [2T, R] that the gather
+        reads: both halves, or the bigram half ([T], [T, R]) without trigrams, whose trigram half
+        is every token's reserved row with a zero gradient (adding it would be T atomic adds of 0
+        into one row: with trigrams off an index_add kernel took 6.4 ms per stage-C step on the
+        H200 against 4.8 with them, docs/results/step_variants_h200_2026-12-02_C.json, most
+        likely the store's hold)."""
+        if self.cfg.trigram:
+            return ids, sink_grad
+        half = ids.shape[0] // 2
+        return ids[:half], sink_grad[:half]
+
     def sign_ids(self, inputs: Tensor) -> Tensor:
         """Sign-buffer row of every n-gram: int64 [2T] (0 without context)."""
         tok, prev, prev2, bigram_ok, trigram_ok = self._contexts(inputs)

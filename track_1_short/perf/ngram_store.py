@@ -247,14 +247,9 @@ class NgramStore(nn.Module):
         if self.pending >= self.max_held:
             raise RuntimeError(f"{self.pending + 1} held n-gram gradients > cycle {self.cycle} x "
                                f"micro_steps {self.micro_steps}; an update event was missed")
-        if not self.cfg.trigram:
-            # the trigram half [T:] is every token's reserved row with a zero gradient (the
-            # gather leaves it out): adding it would be T atomic adds of 0 into one row (with
-            # trigrams off an index_add kernel took 6.4 ms per stage-C step on the H200 against
-            # 4.8 with them, docs/results/step_variants_h200_2026-12-02_C.json, most likely this
-            # one), and the row's lazy Adam step a no-op
-            half = ids.shape[0] // 2
-            ids, ngram_grad = ids[:half], ngram_grad[:half]  # [T], [T, R]
+        # the rows the gather read (the bigram half alone without trigrams; the reserved
+        # trigram row's lazy Adam step would be a no-op)
+        ids, ngram_grad = self.lookup.read_rows(ids, ngram_grad)
         self.grad_acc.index_add_(0, ids, ngram_grad.to(self.grad_acc.dtype))  # [ROWS, R]
         self.touched.index_fill_(0, ids, 1)  # [ROWS]
         self.pending += 1

@@ -39,12 +39,12 @@ if TYPE_CHECKING:
     from track_1_short.schedule import StepPlan
 
 
-
 def loss_scale(micro_steps: int) -> float:
     """training_loss's grad_scale, the upstream gradient of every token's loss: each of a step's
     micro-steps contributes 1 / micro_steps (also the fp8 lm head's gradient scale factor,
     trainer/build.prepare_model)."""
     return 1.0 / micro_steps
+
 
 class GradHandoff:
     """Sets p.grad after a backward as loss.backward() plus the plan's Adam cadence would.
