@@ -13,7 +13,8 @@ Modes:
            equals the uninterrupted run's checkpoint of that step tensor for tensor, and a resume
            from it continues exactly.
   signals  SIGTERM mid-step, SIGTERM mid-save, SIGINT mid-step and Ctrl-C twice (SIGINT, SIGINT) during the
-           stop's save: exit codes, steps trained after the signal, the checkpoint at the stop
+           stop's save (the two mid-save cases hold the save before its swap until the signal has
+           arrived, so it cannot finish first): exit codes, steps trained after the signal, the checkpoint at the stop
            step, and resumes in place equal the uninterrupted run.
   ranks    2 gloo ranks: SIGTERM to rank 1 alone stops both at the same step with one checkpoint
            (both ranks' shards) that resumes exactly; SIGKILL of rank 1 makes rank 0 exit with an
@@ -180,17 +181,27 @@ def kill_mode(shards: Path, out: Path, tries: int = 20) -> dict:
 
 # ---------------------------------------------------------------- signals mode
 
-def _signal_run(shards: Path, out: Path, run_id: str, signals: list[int], trigger, **train_kw) -> dict:
+def _signal_run(shards: Path, out: Path, run_id: str, signals: list[int], trigger, *, between=None,
+                child_setup=None, **train_kw) -> dict:
     """Fork a run, send `signals` (one after another) once trigger(run_dir) holds, then report
-    its exit code, the steps it trained after the first signal and what it left."""
+    its exit code, the steps it trained after the first signal and what it left. Before each
+    further signal, between(run_dir) must hold (two signals sent back to back can merge into one
+    pending signal). child_setup() runs in the child before the trainer."""
+    assert len(signals) == 1 or between is not None, "a second signal needs a between condition"
     run_dir = out / run_id
-    pid = fork(lambda: train(config(shards, out, run_id, **train_kw)))
+
+    def child():
+        if child_setup is not None:
+            child_setup()
+        return train(config(shards, out, run_id, **train_kw))
+    pid = fork(child)
     wait_for(lambda: trigger(run_dir))
     trained_at_signal = max(losses(run_dir), default=-1) if (run_dir / "metrics.jsonl").exists() else -1
     sent = time.monotonic()
-    for sig in signals:
+    for i, sig in enumerate(signals):
+        if i:
+            wait_for(lambda: between(run_dir))
         os.kill(pid, sig)
-        time.sleep(0.05)
     rc = exit_code(pid)
     stop = [r for r in MetricsLog.read(run_dir) if r["kind"] == "stop"]
     trained = max(losses(run_dir), default=-1)
@@ -201,6 +212,32 @@ def _signal_run(shards: Path, out: Path, run_id: str, signals: list[int], trigge
             "left": sorted(p.name for p in run_dir.glob("ckpt_step*"))}
 
 
+def _hold_save_at_swap(step: int, run_dir: Path, *, until_second: bool):
+    """A child_setup: the save of `step` stops just before its swap (its `.tmp` complete) and
+    marks `<run_dir>.held`; it goes on once the trainer has received a signal (marking
+    `<run_dir>.signalled`), or with `until_second` waits for a second signal to abort it (60 s at
+    most, then goes on, and the test sees a stop record). A save that finished before the signal
+    came (it raced on a loaded machine) is thus impossible."""
+    def setup():
+        original = checkpoint.swap_in
+
+        def held_swap_in(tmp: Path, final: Path) -> None:
+            if final.name == checkpoint.checkpoint_path(run_dir, step).name:
+                Path(f"{run_dir}.held").touch()
+                stop = signal.getsignal(signal.SIGINT).__self__  # the trainer's GracefulStop
+                wait_for(lambda: stop.requested, timeout_s=60.0)
+                Path(f"{run_dir}.signalled").touch()
+                if until_second:
+                    time.sleep(60.0)  # the second signal's handler exits during this sleep
+            original(tmp, final)
+        checkpoint.swap_in = held_swap_in
+    return setup
+
+
+def _marked(suffix: str):
+    return lambda run_dir: Path(f"{run_dir}{suffix}").exists()
+
+
 def _has_train_step(step: int):
     def check(run_dir: Path) -> bool:
         path = run_dir / "metrics.jsonl"
@@ -208,26 +245,19 @@ def _has_train_step(step: int):
     return check
 
 
-def _saving(run_dir: Path) -> bool:
-    return any(p.suffix == ".tmp" for p in run_dir.glob("ckpt_step*"))
-
-
-def _second_save(run_dir: Path) -> bool:
-    # step 4's save in flight (one path: checking "a .tmp" and "step 2's folder" one after the
-    # other raced with step 2's own rename on a loaded machine and fired during that save)
-    return (run_dir / "ckpt_step000004.tmp").is_dir()
-
-
 def signals_mode(shards: Path, out: Path) -> dict:
     assert train(config(shards, out, "reference")) == 0
     ref = losses(out / "reference")
     results = {
         "sigterm_step": _signal_run(shards, out, "sigterm-step", [signal.SIGTERM], _has_train_step(4)),
-        "sigterm_save": _signal_run(shards, out, "sigterm-save", [signal.SIGTERM], _saving,
-                                    save_every=4),
+        "sigterm_save": _signal_run(
+            shards, out, "sigterm-save", [signal.SIGTERM], _marked(".held"), save_every=4,
+            child_setup=_hold_save_at_swap(4, out / "sigterm-save", until_second=False)),
         "sigint_step": _signal_run(shards, out, "sigint-step", [signal.SIGINT], _has_train_step(2)),
-        "double_sigint": _signal_run(shards, out, "double", [signal.SIGINT, signal.SIGINT],
-                                     _second_save, save_every=2),
+        "double_sigint": _signal_run(
+            shards, out, "double", [signal.SIGINT, signal.SIGINT], _marked(".held"), save_every=2,
+            between=_marked(".signalled"),
+            child_setup=_hold_save_at_swap(4, out / "double", until_second=True)),
     }
     for name in ("sigterm_step", "sigterm_save", "sigint_step"):
         run_id = name.replace("_", "-")
