@@ -128,7 +128,8 @@ class TrainConfig:
     fused_loss: bool = True
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
-    # kernels/relu2_mlp.py; CUDA SM90 / SM100, bf16 MLP: not with fp8 on mlp_up / mlp_down)
+    # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with
+    # model.fp8.mlp_backward "bf16"; not with fp8 on mlp_down)
     mlp_kernel: str = "torch"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
@@ -212,8 +213,13 @@ class RunConfig:
                              f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
         fp8_mlp = self.model.fp8.enabled and {"mlp_up", "mlp_down"} & set(self.model.fp8.sites)
         if self.train.mlp_kernel == "quack" and fp8_mlp:
-            raise ValueError(f"--mlp-kernel quack runs the MLP in bf16: it cannot take fp8 on "
-                             f"{sorted(fp8_mlp)} (model.fp8.sites); drop one of the two")
+            if "mlp_down" in fp8_mlp:
+                raise ValueError("--mlp-kernel quack runs the MLP's down projection in bf16: it "
+                                 "cannot take fp8 on mlp_down (model.fp8.sites); drop one of the two")
+            if self.model.fp8.mlp_backward != "bf16":
+                raise ValueError("--mlp-kernel quack with fp8 on mlp_up has a bf16 MLP backward: "
+                                 "add --set model.fp8.mlp_backward=bf16 (or drop mlp_up from "
+                                 "model.fp8.sites)")
         if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
             raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
                              f"be 1, got {self.schedule.adam_every} (from_args sets it)")

@@ -32,6 +32,11 @@
 #            the record's, 2026-12-02: fp8 lm head and MLP forward, bf16 MLP backward)
 #   fast_head_mudd_fp8 head_mudd_fp8 with fa4 (the fp8 MLP takes the place of the quack MLP,
 #            which the fp8 MLP sites exclude): the candidate to hold against the record
+#   fast_fp8up fast with the quack MLP's up projection in fp8 (kernels/relu2_mlp.py
+#            quack_relu2_mlp_fp8_up: HEAD's fp8 MLP up with ReLU^2 in quack's epilogue, the down
+#            projection and the MLP backward bf16)
+#   fast_head_mudd_fp8up fast_fp8up with head_mudd's flags: the record's architecture with the
+#            fp8 lm head, the fp8 up projection and the fused ReLU^2 together
 #   head_mudd the loss variant head_mudd alone (bf16, FlexAttention): what its flags cost
 #   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
@@ -59,6 +64,9 @@ variant_flags() {
     fa4_quack) echo --set model.attention_backend=fa4 --set train.mlp_kernel=quack ;;
     fast) echo "$(variant_flags fa4_quack) $(variant_flags fp8_head)" ;;
     fast_head_mudd) echo "$(variant_flags fast) $(loss_variant_flags head_mudd)" ;;
+    fast_fp8up) echo "$(variant_flags fa4_quack) --set model.fp8.enabled=true" \
+                     "--set model.fp8.sites=lm_head,mlp_up --set model.fp8.mlp_backward=bf16" ;;
+    fast_head_mudd_fp8up) echo "$(variant_flags fast_fp8up) $(loss_variant_flags head_mudd)" ;;
     head_mudd_fp8) loss_variant_flags head_mudd_fo_fp8 ;;
     fast_head_mudd_fp8) echo "$(loss_variant_flags head_mudd_fo_fp8) $(variant_flags fa4)" ;;
     head_mudd) loss_variant_flags head_mudd ;;

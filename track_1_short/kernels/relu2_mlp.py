@@ -13,6 +13,20 @@ Math (the same as PlainMatmuls.relu2_mlp, the reference; x [T, D], w_up [F, D] o
               y = post @ w_down                      (cuBLAS)
     backward  d_pre = (dy @ w_down^T) * 2 relu(pre), post again (one gemm_dact epilogue)
               dw_down = post^T @ dy, dx = d_pre @ w_up, dw_up = d_pre^T @ x   (cuBLAS)
+With the up projection in fp8 (`quack_relu2_mlp_fp8_up`: model.fp8.sites holding "mlp_up" beside
+--mlp-kernel quack, with model.fp8.mlp_backward=bf16), as HEAD's MLP (facts 1.7) but with the
+ReLU^2 kept in quack's epilogue:
+    forward   x8 = q4(x / x_s), w8 = q4(w_up / w_s)   (e4m3, current amax scales: model/fp8.py's
+              amax_scale / quantise, the "mlp_up" site's definition)
+              pre = (x8 @ w8^T) * x_s w_s, post = relu(pre)^2  (one fp8 gemm_act, alpha = x_s w_s
+              read from the device)
+              y = post @ w_down                      (cuBLAS, bf16)
+    backward  the same bf16 backward as above from the saved bf16 x, w_up, w_down and the
+              dequantised pre: what Fp8Matmuls gives the unfused "mlp_up" site with
+              mlp_backward "bf16" (fp8_forward_matmul), its reference here.
+The down projection stays bf16 (HEAD's is fp8 with delayed scales from per-SM amaxes in its up
+kernel's epilogue; here a current amax of post would read the [T, F] tensor twice more per layer,
+more than an fp8 GEMM saves).
 Both quack calls sit inside our own torch custom ops (`track_1_short::relu2_up`,
 `track_1_short::relu2_down_dgrad`, fake-registered), so torch.compile(fullgraph=True) traces only
 the autograd.Function around them and never quack's Python; quack allocates with torch.empty
@@ -33,6 +47,7 @@ import torch
 from torch import Tensor
 
 from track_1_short.model.attention_fa4 import cute_dsl_unavailable_reason
+from track_1_short.model.fp8 import E4M3, amax_scale, check_fp8_dims, quantise
 
 QUACK_HINT = ("pip install quack-kernels (with nvidia-cutlass-dsl-libs-cu13 for CUDA 13); on a host "
               "without a registry: scripts/gpu/fa4_wheels.sh here, fa4_install.sh there, then "
@@ -73,6 +88,31 @@ def _relu2_up_fake(x, w_up):
     return x.new_empty(shape), x.new_empty(shape)
 
 
+@torch.library.custom_op("track_1_short::relu2_up_fp8", mutates_args=())
+def _relu2_up_fp8(x8: Tensor, w8: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """pre = (x8 @ w8^T) * alpha in bf16, post = relu(pre)^2: one fp8 gemm_act (relu_sq epilogue,
+    alpha [1] float32 read from the device). x8 [T, D], w8 [F, D] e4m3 row-major (both K-major,
+    the only fp8 layout quack's SM90 GEMM takes)."""
+    pre, post = _quack().gemm_act(x8, w8.t(), activation="relu_sq", alpha=alpha, store_preact=True,
+                                  out_dtype=torch.bfloat16, postact_dtype=torch.bfloat16)
+    return pre, post  # [T, F] each
+
+
+@_relu2_up_fp8.register_fake
+def _relu2_up_fp8_fake(x8, w8, alpha):
+    shape = (x8.shape[0], w8.shape[0])
+    return x8.new_empty(shape, dtype=torch.bfloat16), x8.new_empty(shape, dtype=torch.bfloat16)
+
+
+def _up_fp8(x: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor]:
+    """The fp8 up projection (module docstring): x [T, D], w_up [F, D] -> pre, post [T, F] bf16,
+    quantised with the current amax scales of the "mlp_up" site (traced code: inductor fuses the
+    quantisation into the kernels that produce x)."""
+    x_s, w_s = amax_scale(x, E4M3), amax_scale(w_up, E4M3)
+    alpha = (x_s * w_s).reshape(1)  # [1]: quack's tensor alpha
+    return _relu2_up_fp8(quantise(x, x_s, E4M3), quantise(w_up, w_s, E4M3), alpha)
+
+
 @torch.library.custom_op("track_1_short::relu2_down_dgrad", mutates_args=())
 def _relu2_down_dgrad(dy: Tensor, w_down: Tensor, pre: Tensor) -> tuple[Tensor, Tensor]:
     """d_pre = (dy @ w_down^T) * 2 relu(pre) and post again: one gemm_dact (relu_sq)."""
@@ -89,22 +129,24 @@ class _Relu2Mlp(torch.autograd.Function):
     """Autograd over the two ops (quack's Python stays inside them: dynamo traces only this)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-        pre, post = _relu2_up(x, w_up)  # [T, F] each
+    def forward(ctx, x: Tensor, w_up: Tensor, w_down: Tensor, fp8_up: bool) -> Tensor:
+        pre, post = _up_fp8(x, w_up) if fp8_up else _relu2_up(x, w_up)  # [T, F] each
         ctx.save_for_backward(x, w_up, w_down, pre)
-        return post @ w_down  # [T, D]
+        return post.to(w_down.dtype) @ w_down  # [T, D]
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, w_up, w_down, pre = ctx.saved_tensors
-        d_pre, post = _relu2_down_dgrad(dy.contiguous(), w_down, pre)  # [T, F] each
+        d_pre, post = _relu2_down_dgrad(dy.contiguous(), w_down, pre.to(w_down.dtype))  # [T, F]
         dx = d_pre @ w_up  # [T, D]
         dw_up = d_pre.t() @ x  # [F, D]
         dw_down = post.t() @ dy  # [F, D]
-        return dx, dw_up, dw_down
+        return dx, dw_up, dw_down, None
 
 
 QUACK_MLP_LABEL = "quack GEMMs with ReLU^2 in the epilogues (kernels/relu2_mlp.py)"
+QUACK_MLP_FP8_UP_LABEL = ("quack GEMMs with ReLU^2 in the epilogues, the up projection in fp8 "
+                          "(kernels/relu2_mlp.py)")
 
 
 def quack_relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
@@ -112,4 +154,14 @@ def quack_relu2_mlp(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     PlainMatmuls.relu2_mlp. The trainer gives it to the installed matmul strategy
     (`matmuls.use_fused_mlp(quack_relu2_mlp, QUACK_MLP_LABEL)`, trainer/build.py), so the lm
     head keeps that strategy's matmul (e.g. fp8); eval keeps PlainMatmuls."""
-    return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous())
+    return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous(), False)
+
+
+def quack_relu2_mlp_fp8_up(x: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+    """quack_relu2_mlp with the up projection in fp8 (module docstring): the same contract; D and
+    F multiples of 16 and T too (ValueError naming them otherwise). Its reference is the unfused
+    fp8 "mlp_up" site with mlp_backward "bf16" (Fp8Matmuls.relu2_mlp); the trainer installs it
+    with `use_fused_mlp(..., fp8_sites=("mlp_up",))`."""
+    check_fp8_dims("quack_relu2_mlp_fp8_up", x, w_up.t(), "T, D, F",
+                   "pad the batch or drop mlp_up from model.fp8.sites")
+    return _Relu2Mlp.apply(x.contiguous(), w_up.contiguous(), w_down.contiguous(), True)

@@ -451,9 +451,14 @@ class PlainMatmuls(nn.Module):
         self.fused_mlp: FusedMlp | None = None
         self.mlp_label: str | None = None  # the fused MLP's name (the trainer's log line)
 
-    def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
+    def use_fused_mlp(self, fn: FusedMlp, label: str, fp8_sites: tuple[str, ...] = ()) -> None:
         """`fn` computes relu2_mlp from now on (the same math, checked against the reference
-        below by its own tests); `label` names it in the run log."""
+        below by its own tests); `label` names it in the run log. `fp8_sites`: the MLP call
+        sites `fn` runs in fp8 itself (e.g. ("mlp_up",)); this plain strategy runs none in fp8,
+        so it refuses any (ValueError)."""
+        if fp8_sites:
+            raise ValueError(f"a fused MLP with fp8 sites {list(fp8_sites)} ({label}) needs the fp8 "
+                             f"strategy (--fp8 with those sites in model.fp8.sites)")
         self.fused_mlp, self.mlp_label = fn, label
 
     def matmul(self, x: Tensor, w: Tensor, which: str, layer: int | None = None) -> Tensor:
@@ -531,14 +536,20 @@ class Fp8Matmuls(PlainMatmuls):
                    else fp8_matmul(x, w, x_s, w_s, None))
         return out.to(x.dtype)
 
-    def use_fused_mlp(self, fn: FusedMlp, label: str) -> None:
-        """As PlainMatmuls', for a config whose fp8 sites leave the MLP out (the lm head alone):
-        a fused MLP would silently drop fp8 MLP sites, so those are refused."""
+    def use_fused_mlp(self, fn: FusedMlp, label: str, fp8_sites: tuple[str, ...] = ()) -> None:
+        """As PlainMatmuls', where the fused MLP runs in fp8 exactly the MLP sites this
+        strategy's config asks for (`fp8_sites`, e.g. ("mlp_up",) with the fp8 up projection);
+        any other pairing would silently run an MLP site in another precision than configured,
+        so it is refused (ValueError naming both). The fused MLP's backward is bf16, so fp8 MLP
+        sites also need Fp8Config.mlp_backward "bf16"."""
         fp8_mlp = sorted({"mlp_up", "mlp_down"} & set(self.cfg.sites)) if self.cfg.enabled else []
-        if fp8_mlp:
-            raise ValueError(f"a fused MLP ({label}) runs the MLP in bf16: it cannot take the fp8 "
-                             f"sites {fp8_mlp} (model.fp8.sites); drop one of the two")
-        super().use_fused_mlp(fn, label)
+        if fp8_mlp != sorted(fp8_sites):
+            raise ValueError(f"a fused MLP ({label}) runs the fp8 MLP sites {sorted(fp8_sites)}: it "
+                             f"cannot take the fp8 sites {fp8_mlp} (model.fp8.sites); make them agree")
+        if fp8_mlp and self.cfg.mlp_backward != "bf16":
+            raise ValueError(f"a fused MLP ({label}) has a bf16 backward: the fp8 sites {fp8_mlp} "
+                             f"need model.fp8.mlp_backward=bf16 (got {self.cfg.mlp_backward!r})")
+        self.fused_mlp, self.mlp_label = fn, label
 
     @torch.no_grad()
     def reset(self):

@@ -119,16 +119,21 @@ def _install_fp8(model: GPT, device: torch.device, grad_scale: float) -> None:
 def _install_mlp_kernel(model: GPT, device: torch.device, kernel: str) -> None:
     """TrainConfig.mlp_kernel="quack": the fused ReLU^2 MLP (kernels/relu2_mlp.py) inside the
     training forward's installed matmul strategy (plain or fp8: the lm head keeps its own
-    matmul, e.g. fp8 with model.fp8.sites=lm_head); an error naming the reason where it cannot
-    run (asked for explicitly: no silent fallback to the torch MLP)."""
+    matmul, e.g. fp8 with model.fp8.sites=lm_head; with "mlp_up" among the active fp8 sites the
+    fused MLP's up projection is fp8); an error naming the reason where it cannot run (asked for
+    explicitly: no silent fallback to the torch MLP)."""
     if kernel == "torch":
         return
-    from track_1_short.kernels.relu2_mlp import QUACK_MLP_LABEL, quack_relu2_mlp, quack_unavailable_reason
+    from track_1_short.kernels import relu2_mlp
 
-    reason = quack_unavailable_reason(device)
+    reason = relu2_mlp.quack_unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"--mlp-kernel quack cannot run on {device}: {reason}")
-    model.matmuls.use_fused_mlp(quack_relu2_mlp, QUACK_MLP_LABEL)
+    if "mlp_up" in _fp8_sites(model):  # the fp8 up projection (config: with a bf16 MLP backward)
+        model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp_fp8_up, relu2_mlp.QUACK_MLP_FP8_UP_LABEL,
+                                    fp8_sites=("mlp_up",))
+    else:
+        model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)
 
 
 def _fp8_sites(model: GPT) -> tuple[str, ...]:
