@@ -31,7 +31,7 @@
 #   head_mudd_fp8 the loss variant head_mudd_fo_fp8's flags (the configuration whose loss matched
 #            the record's, 2026-12-02: fp8 lm head and MLP forward, bf16 MLP backward)
 #   fast_head_mudd_fp8 head_mudd_fp8 with fa4 (the fp8 MLP takes the place of the quack MLP,
-#            which the fp8 MLP sites exclude): the candidate to hold against the record
+#            which fp8 on mlp_down excludes): the candidate to hold against the record
 #   fast_fp8up fast with the quack MLP's up projection in fp8 (kernels/relu2_mlp.py
 #            quack_relu2_mlp_fp8_up: HEAD's fp8 MLP up with ReLU^2 in quack's epilogue, the down
 #            projection and the MLP backward bf16)
