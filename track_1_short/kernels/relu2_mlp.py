@@ -27,8 +27,8 @@ ReLU^2 kept in quack's epilogue:
 The down projection stays bf16 (HEAD's is fp8 with delayed scales from per-SM amaxes in its up
 kernel's epilogue; here a current amax of post would read the [T, F] tensor twice more per layer,
 more than an fp8 GEMM saves).
-Both quack calls sit inside our own torch custom ops (`track_1_short::relu2_up`,
-`track_1_short::relu2_down_dgrad`, fake-registered), so torch.compile(fullgraph=True) traces only
+The quack calls sit inside our own torch custom ops (`track_1_short::relu2_up`,
+`track_1_short::relu2_up_fp8`, `track_1_short::relu2_down_dgrad`, fake-registered), so torch.compile(fullgraph=True) traces only
 the autograd.Function around them and never quack's Python; quack allocates with torch.empty
 (capture-safe) and autotunes per shape at its first call, which the step graphs' warm
 iterations make before any capture (QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR keep the
