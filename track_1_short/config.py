@@ -29,6 +29,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from track_1_short.model.fp8_config import quack_fp8_sites
 from track_1_short.model.gpt_config import BACKENDS, GPTConfig
 from track_1_short.optim.anvil_config import AnvilConfig
 from track_1_short.perf.cuda_graphs.graphs_config import GRAPH_MODES, StepGraphsConfig
@@ -211,15 +212,11 @@ class RunConfig:
             raise ValueError(f"model.max_position={self.model.max_position} must cover 2x the "
                              f"largest step ({largest} tokens, paired heads double positions) and "
                              f"--val-tokens-per-batch={self.data.val_tokens_per_batch}")
-        fp8_mlp = self.model.fp8.enabled and {"mlp_up", "mlp_down"} & set(self.model.fp8.sites)
-        if self.train.mlp_kernel == "quack" and fp8_mlp:
-            if "mlp_down" in fp8_mlp:
-                raise ValueError("--mlp-kernel quack runs the MLP's down projection in bf16: it "
-                                 "cannot take fp8 on mlp_down (model.fp8.sites); drop one of the two")
-            if self.model.fp8.mlp_backward != "bf16":
-                raise ValueError("--mlp-kernel quack with fp8 on mlp_up has a bf16 MLP backward: "
-                                 "add --set model.fp8.mlp_backward=bf16 (or drop mlp_up from "
-                                 "model.fp8.sites)")
+        if self.train.mlp_kernel == "quack":
+            fp8 = self.model.fp8
+            refusal = fp8.fused_mlp_refusal(quack_fp8_sites(fp8.fp8_mlp_sites()))
+            if refusal is not None:
+                raise ValueError(f"--mlp-kernel quack {refusal}")
         if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
             raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
                              f"be 1, got {self.schedule.adam_every} (from_args sets it)")

@@ -539,16 +539,11 @@ class Fp8Matmuls(PlainMatmuls):
     def use_fused_mlp(self, fn: FusedMlp, label: str, fp8_sites: tuple[str, ...] = ()) -> None:
         """As PlainMatmuls', where the fused MLP runs in fp8 exactly the MLP sites this
         strategy's config asks for (`fp8_sites`, e.g. ("mlp_up",) with the fp8 up projection);
-        any other pairing would silently run an MLP site in another precision than configured,
-        so it is refused (ValueError naming both). The fused MLP's backward is bf16, so fp8 MLP
-        sites also need Fp8Config.mlp_backward "bf16"."""
-        fp8_mlp = sorted({"mlp_up", "mlp_down"} & set(self.cfg.sites)) if self.cfg.enabled else []
-        if fp8_mlp != sorted(fp8_sites):
-            raise ValueError(f"a fused MLP ({label}) runs the fp8 MLP sites {sorted(fp8_sites)}: it "
-                             f"cannot take the fp8 sites {fp8_mlp} (model.fp8.sites); make them agree")
-        if fp8_mlp and self.cfg.mlp_backward != "bf16":
-            raise ValueError(f"a fused MLP ({label}) has a bf16 backward: the fp8 sites {fp8_mlp} "
-                             f"need model.fp8.mlp_backward=bf16 (got {self.cfg.mlp_backward!r})")
+        any other pairing, or fp8 MLP sites without Fp8Config.mlp_backward "bf16" (the fused
+        MLP's backward is bf16), is refused (ValueError: Fp8Config.fused_mlp_refusal)."""
+        refusal = self.cfg.fused_mlp_refusal(fp8_sites)  # Fp8Config's one rule
+        if refusal is not None:
+            raise ValueError(f"a fused MLP ({label}) {refusal}")
         self.fused_mlp, self.mlp_label = fn, label
 
     @torch.no_grad()

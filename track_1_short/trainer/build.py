@@ -37,6 +37,7 @@ from track_1_short.config import RunConfig, TrainConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
 from track_1_short.distributed import DistributedContext
 from track_1_short.model.fp8 import Fp8Matmuls
+from track_1_short.model.fp8_config import quack_fp8_sites
 from track_1_short.model.gpt import GPT, ForwardScheduleConfig
 from track_1_short.model.loss import build_prefix_table
 from track_1_short.optim.adamw_baseline import AdamWBaseline
@@ -129,9 +130,10 @@ def _install_mlp_kernel(model: GPT, device: torch.device, kernel: str) -> None:
     reason = relu2_mlp.quack_unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"--mlp-kernel quack cannot run on {device}: {reason}")
-    if "mlp_up" in _fp8_sites(model):  # the fp8 up projection (config: with a bf16 MLP backward)
+    fp8_sites = quack_fp8_sites(_fp8_sites(model))
+    if fp8_sites == ("mlp_up",):  # the fp8 up projection (the config: with a bf16 MLP backward)
         model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp_fp8_up, relu2_mlp.QUACK_MLP_FP8_UP_LABEL,
-                                    fp8_sites=("mlp_up",))
+                                    fp8_sites=fp8_sites)
     else:
         model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)
 
