@@ -17,7 +17,8 @@ T = 49,152, N = 1, prefix weight 0; V = 50,304, D = 768, bf16, one rank's micro-
   same bf16 logits in float32, GEMMs in float32): loss max abs, dx and dw relative (Frobenius),
   for the fused op and for the torch path;
 - --sweep: the kernel alone for several LaunchConfigs (block_v, num_warps, programs_per_sm,
-  fast_math, fma_exp_passes).
+  fast_math, fma_exp_passes, tanh_sigmoid); --sweep-only: that alone, with the default launch's
+  kernel first (no torch path, no compile: ~2 min on the H200 for both keys).
 
 Run (H200, ~3 min, mostly the torch path's compile):
     PYTHONPATH=. python bench/loss_kernel.py --out docs/results/loss_kernel_h200.json --sweep
@@ -30,6 +31,7 @@ Legend: T tokens, D model dim, V vocab, N MTP targets.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -45,10 +47,16 @@ FULL_SHAPES = {"V": 50304, "D": 768}
 SMOKE_SHAPES = {"V": 300, "D": 32}
 SMOKE_TOKENS = {"A": 24, "C": 40}
 TOKEN_IDS = 50257
-# (block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes)
-SWEEP = ((4096, 8, 8, True, 0), (4096, 8, 8, True, 1), (4096, 8, 8, True, 2), (4096, 8, 8, False, 1),
-         (4096, 16, 4, True, 1), (4096, 16, 4, True, 2), (4096, 8, 4, True, 1), (4096, 16, 2, True, 1),
-         (2048, 4, 8, True, 1), (2048, 8, 4, True, 1), (2048, 4, 16, True, 1), (8192, 16, 4, True, 1))
+# (block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid)
+SWEEP = ((4096, 8, 8, True, 0, False), (4096, 8, 8, True, 1, False), (4096, 8, 8, True, 2, False),
+         (4096, 8, 8, False, 1, False), (4096, 16, 4, True, 1, False), (4096, 16, 4, True, 2, False),
+         (4096, 8, 4, True, 1, False), (4096, 16, 2, True, 1, False), (2048, 4, 8, True, 1, False),
+         (2048, 8, 4, True, 1, False), (2048, 4, 16, True, 1, False), (8192, 16, 4, True, 1, False),
+         # the sigmoid as one tanh.approx: 3 MUFU ops per element instead of 5, so fewer rows in
+         # flight may now keep pass 2's re-read of the row in L2
+         (4096, 8, 8, True, 1, True), (4096, 8, 8, True, 2, True), (4096, 8, 4, True, 1, True),
+         (4096, 8, 4, True, 2, True), (4096, 8, 2, True, 1, True), (4096, 16, 2, True, 1, True),
+         (4096, 16, 4, True, 2, True), (2048, 4, 8, True, 1, True), (8192, 16, 2, True, 1, True))
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -163,12 +171,17 @@ def bench_key(key: LossKey, shapes: dict, device: torch.device, a, kernels) -> d
     row = {"tokens": key.tokens, "mtp_weights": key.mtp_weights, "prefix_weight": key.prefix_weight,
            **shapes, "errors": errors(args, fused), "variants": {}}
     for name, step in variants(args, not a.smoke, fused, kernels, launch).items():
+        if a.sweep_only and name != "kernel":
+            continue
         row["variants"][name] = time_variant(step, device, a.iters, a.warmup)
         print(f"key {key.name} {name}: {row['variants'][name]['median_ms']:.3f} ms", flush=True)
     ms = {n: v["median_ms"] for n, v in row["variants"].items()}
-    row["loss_beyond_gemms_ms"] = {n: ms[n] - ms["gemms"] for n in ms if n not in ("gemms", "kernel")}
-    row["torch_over_fused"] = ms["torch"] / ms["fused"]
+    if not a.sweep_only:
+        row["loss_beyond_gemms_ms"] = {n: ms[n] - ms["gemms"] for n in ms if n not in ("gemms", "kernel")}
+        row["torch_over_fused"] = ms["torch"] / ms["fused"]
     if a.sweep:
+        tanh = dataclasses.replace(launch, tanh_sigmoid=True)
+        row["errors_tanh_sigmoid"] = errors(args, functools.partial(kernels.linear_softcap_ce, launch=tanh))
         a.sweep_errors = row["sweep_errors"] = {}
         row["sweep"] = sweep(args, device, a, kernels)
     return row
@@ -178,9 +191,11 @@ def sweep(args: tuple, device: torch.device, a, kernels) -> list[dict]:
     x, w, targets, mtp, pw, prefix = args
     logits = torch.mm(x.detach(), w.detach())
     rows = []
-    for block_v, num_warps, per_sm, fast, fma in SWEEP:
+    for block_v, num_warps, per_sm, fast, fma, tanh in SWEEP:
+        if a.sweep_tanh_only and not tanh:
+            continue
         launch = kernels.LaunchConfig(block_v=block_v, num_warps=num_warps, programs_per_sm=per_sm,
-                                      fast_math=fast, fma_exp_passes=fma)
+                                      fast_math=fast, fma_exp_passes=fma, tanh_sigmoid=tanh)
 
         def step(_, launch=launch):
             kernels.softcap_ce_rows_(logits, targets, mtp, pw, prefix, launch)
@@ -188,9 +203,9 @@ def sweep(args: tuple, device: torch.device, a, kernels) -> list[dict]:
                                a.sweep_errors)
         if t is not None:
             rows.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm,
-                         "fast_math": fast, "fma_exp_passes": fma, **t})
-            print(f"  sweep {block_v}/{num_warps}/{per_sm} fast={fast} fma={fma}: {t['median_ms']:.3f} ms",
-                  flush=True)
+                         "fast_math": fast, "fma_exp_passes": fma, "tanh_sigmoid": tanh, **t})
+            print(f"  sweep {block_v}/{num_warps}/{per_sm} fast={fast} fma={fma} tanh={tanh}: "
+                  f"{t['median_ms']:.3f} ms", flush=True)
     return rows
 
 
@@ -201,9 +216,16 @@ def parse(argv):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the compiling one")
     p.add_argument("--out", type=Path, default=Path("docs/results/loss_kernel_h200.json"))
     p.add_argument("--sweep", action="store_true", help="also time the kernel for several LaunchConfigs")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="the kernel alone: the default launch, then the sweep (implies --sweep)")
+    p.add_argument("--sweep-tanh-only", action="store_true",
+                   help="sweep only the launches with tanh_sigmoid (the others: docs/results/loss_kernel_h200.json)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, Triton interpreter, tiny shapes, 2 steps, no compile, no sweep")
     a = p.parse_args(argv)
+    if a.smoke and a.sweep_only:
+        p.error("--sweep-only times the GPU kernel; --smoke runs no sweep")
+    a.sweep = a.sweep or a.sweep_only
     if a.smoke:
         a.iters, a.warmup, a.sweep = min(a.iters, 2), 0, False
     return a

@@ -6,7 +6,7 @@ against model/loss.py's own float32 torch path; N in {1, 2, 3}, T not a multiple
 V not a power of two and not a multiple of BLOCK_V, rows past T - N (tail validity), prefix ids
 mixing -1 and valid ids, zero and nonzero MTP/prefix weights, random upstream gradients, float32
 and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma_exp_passes 0, 1,
-2); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
+2; the sigmoid as tanh); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
 (kernels/softcap_ce_fp8.py): against model/fp8.py's slow references, its fullgraph trace, and its
 backward (the gradient quantised by kernels/fp8_quantise.py) bitwise model/fp8.fp8_matmul_grads
 of the logit gradient. Each case prints its measured errors (run with -s to see them). The
@@ -41,6 +41,9 @@ SMALL = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes
 SMALL_MUFU = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=0)
 SMALL_FMA2 = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=2)
 LARGE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2)
+# the sigmoid as 1/2 + tanh / 2: the interpreter runs the identity in exact math (its constants;
+# the GPU's tanh.approx is bounded in tests/test_softcap_ce_gpu.py)
+SMALL_TANH = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=1, tanh_sigmoid=True)
 
 
 def _inputs(seed: int, t: int, d: int, v: int, n: int, dtype: torch.dtype, prefix_share: float = 0.6,
@@ -98,6 +101,7 @@ CASES = [
     (torch.float32, 1, 67, 397, SMALL, 1e-6, 1e-5),
     (torch.float32, 2, 67, 397, SMALL_MUFU, 1e-6, 1e-5),
     (torch.float32, 3, 67, 397, SMALL_FMA2, 1e-6, 1e-5),
+    (torch.float32, 3, 67, 397, SMALL_TANH, 1e-6, 1e-5),
     (torch.bfloat16, 3, 130, 1000, LARGE, 1e-6, 1e-2),
     (torch.bfloat16, 1, 64, 384, LARGE, 1e-6, 1e-2),
 ]

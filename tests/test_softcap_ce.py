@@ -24,7 +24,7 @@ from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce import LaunchConfig, linear_softcap_ce  # noqa: E402
 
-NUM_CASES = 16  # tests in softcap_ce_cases.py (parametrizations included)
+NUM_CASES = 17  # tests in softcap_ce_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -86,7 +86,8 @@ def test_inputs_on_two_devices_are_a_value_error():
 @pytest.mark.parametrize("kwargs,match", [({"block_v": 1000}, "block_v=1000"), ({"block_v": 8}, "block_v=8"),
                                           ({"num_warps": 3}, "num_warps=3"),
                                           ({"programs_per_sm": 0}, "programs_per_sm=0"),
-                                          ({"fma_exp_passes": 3}, "fma_exp_passes=3")])
+                                          ({"fma_exp_passes": 3}, "fma_exp_passes=3"),
+                                          ({"tanh_sigmoid": True, "fast_math": False}, "tanh_sigmoid=True")])
 def test_launch_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LaunchConfig(**kwargs)

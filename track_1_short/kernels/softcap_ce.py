@@ -30,7 +30,7 @@ Speed (bench/loss_kernel.py, one H200, docs/results/loss_kernel_h200.json): per 
 forward + backward of the loss including its three GEMMs, compiled:
     key C (T = 49,152, N = 1):  torch path 31.8 ms, fused 21.6 ms; GEMMs alone 18.4 ms
     key A (T = 16,384, N = 3):  torch path 10.5 ms, fused 7.1 ms;  GEMMs alone 5.7 ms
-The kernel alone: 4.2 ms at C, 1.4 ms at A; the loss beyond its GEMMs went from 13.3 to 3.2 ms
+The kernel alone (before "Sigmoid as tanh" below): 4.2 ms at C, 1.4 ms at A; the loss beyond its GEMMs went from 13.3 to 3.2 ms
 at C and 4.8 to 1.4 ms at A, and the peak memory above the inputs from 23.0 to 4.8 GiB at C (dz
 is the only [T, V] tensor). Errors against a float32 reference equal the torch path's (dx, dw
 relative 2.3e-3, from the bf16 GEMM outputs). The kernel is bound by the MUFU (special function) unit, not by
@@ -47,6 +47,23 @@ instead of Triton's exp2 / division (denormal handling and a division sequence):
 here is denormal (z' >= 0, exp(z' - lse) >= e^-35), so only rounding differs (2 ulp).
 Measured 4.5 -> 4.2 ms at C. The interpreter cannot run inline PTX, so the CPU runs the plain
 expressions; tests/test_softcap_ce_gpu.py checks both variants on the GPU.
+
+Sigmoid as tanh (LaunchConfig.tanh_sigmoid, the default; CUDA, with fast_math): s = 1/2 +
+tanh(y) / 2, y = (z + 5) / 15, as one MUFU tanh.approx.f32 instead of ex2 + rcp, as the record
+computes its sigmoid (__tanhf under --use_fast_math). MUFU ops per element: 3 instead of 5 (pass
+1: tanh, ex2; pass 2: tanh, the exp on the FMA pipes). Error: tanh.approx is about 2^-11 relative
+(PTX ISA), so |error of s| <= 2^-12 and |error of z'| <= 23 * 2^-12 = 0.0056; the record stores
+s in bf16 in shared memory (up to 23 * 2^-9 = 0.045 in z'). Propagated to each logit gradient and
+loss, the bound tests/test_softcap_ce_gpu.py asserts; measured at key A: worst element 0.71 of
+that bound, loss max abs 9.2e-5 (mean -3.5e-6; the bound 2.3e-2), dx / dw relative 2.32e-3 as
+the torch path's (docs/results/gpu_tests_softcap_ce_tanh_h200_2026-12-02.log,
+loss_kernel_tanh_h200_2026-12-02.json). Speed, the kernel alone on one H200, one call
+(docs/results/loss_kernel_tanh_h200_2026-12-02/tanh_sweep2.log, medians of 25): key C 4.33 ms
+(exp, 4096 / 8 / 8) -> 3.82 ms (tanh, 2048 / 4 / 8); key A 1.45 -> 1.40 ms. Predicted ~2.6-3.0 ms
+at C from the MUFU count alone; what binds now is memory: pass 2 reads the row again, and with
+~1,000 rows in flight (100 KB each) that read misses the 50 MB L2, so ~14.8 GB move per call at C
+(3.8 ms is ~3.9 TB/s). Fewer rows in flight (2 or 4 per SM) did not keep it in L2 (slower). The
+record reads the row once (its sigmoids stay in shared memory).
 
 Math (equal to model/loss.py up to float32 rounding; N = len(mtp_weights), shapes below):
     z'_tj = 23 * sigmoid((z_tj + 5) / 7.5)        lse_t = log sum_j exp(z'_tj)
@@ -85,9 +102,10 @@ library functions); tests/softcap_ce_cases.py and bench/loss_kernel.py --smoke r
 their own processes. Otherwise a CPU call is a ValueError.
 
 Deviations from the record: bf16 GEMMs and a bf16 logit gradient (the record: fp8 e4m3 GEMM,
-e5m2 gradient); a persistent Triton kernel over V chunks that recomputes the sigmoids in its
-second pass instead of an NVRTC kernel holding them in shared memory (4.2 vs ~3.2 ms); the
-upstream gradient is honoured.
+e5m2 gradient; kernels/softcap_ce_fp8.py is ours in fp8); a persistent Triton kernel over V
+chunks that recomputes the sigmoids (float32, tanh.approx) in its second pass instead of an
+NVRTC kernel holding them in shared memory in bf16 (3.8 vs ~3.2 ms at C); the upstream gradient
+is honoured.
 
 Legend: T tokens, D model dim, V vocab (padded), N MTP targets, P programs of the kernel.
 """
@@ -115,21 +133,25 @@ _SCALE = tl.constexpr(SOFTCAP_SCALE)
 _EXP_MUL = tl.constexpr(SOFTCAP_SCALE * _LOG2E)
 _LOG2E_C = tl.constexpr(_LOG2E)
 _DCAP = tl.constexpr(SOFTCAP_SCALE / SOFTCAP_DIV)  # dz'/dz = (23 / 7.5) s (1 - s)
+# the same s as 1/2 + tanh(y) / 2 with y = (z + 5) / 7.5 / 2 = z * _TANH_MUL + _TANH_ADD
+_TANH_MUL = tl.constexpr(0.5 / SOFTCAP_DIV)
+_TANH_ADD = tl.constexpr(0.5 * SOFTCAP_SHIFT / SOFTCAP_DIV)
 
 DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class LaunchConfig:
-    """Launch shape and math variant of the kernel. Defaults: within 1% of the fastest of
-    bench/loss_kernel.py --sweep on the H200 at V = 50,304 at both keys (module docstring,
-    "Speed")."""
+    """Launch shape and math variant of the kernel. Defaults: the fastest at both keys of the
+    tanh sweep on the H200 at V = 50,304 (module docstring, "Sigmoid as tanh"); without
+    tanh_sigmoid, 4096 / 8 warps / 8 per SM was within 1% of the fastest ("Speed")."""
 
-    block_v: int = 4096  # columns per chunk (power of two); 16 bf16 per thread at 8 warps
-    num_warps: int = 8
+    block_v: int = 2048  # columns per chunk (power of two); 16 bf16 per thread at 4 warps
+    num_warps: int = 4
     programs_per_sm: int = 8  # P = min(T, SMs * programs_per_sm); on the CPU SMs counts as 1
     fast_math: bool = True  # CUDA: ex2/rcp.approx.ftz inline PTX (module docstring, "Fast math")
     fma_exp_passes: int = 1  # softmax exps on the FMA pipes: 0 none, 1 pass 2, 2 both passes
+    tanh_sigmoid: bool = True  # CUDA: the softcap's sigmoid as one tanh.approx ("Sigmoid as tanh")
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
@@ -140,6 +162,9 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm}: needs >= 1")
         if self.fma_exp_passes not in (0, 1, 2):
             raise ValueError(f"LaunchConfig.fma_exp_passes={self.fma_exp_passes}: choose 0, 1 or 2")
+        if self.tanh_sigmoid and not self.fast_math:
+            raise ValueError("LaunchConfig.tanh_sigmoid=True needs fast_math=True: tanh.approx is an "
+                             "approximate instruction (module docstring, \"Sigmoid as tanh\")")
 
 
 DEFAULT_LAUNCH = LaunchConfig()
@@ -189,8 +214,19 @@ def _softmax_exp2(x, FMA: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid_of_logit(z, FAST: tl.constexpr):
-    """float32 z -> s = sigmoid((z + 5) / 7.5), so z' = 23 s and exp(z') = 2^(s * _EXP_MUL)."""
+def _sigmoid_of_logit(z, FAST: tl.constexpr, TANH: tl.constexpr):
+    """float32 z -> s = sigmoid((z + 5) / 7.5), so z' = 23 s and exp(z') = 2^(s * _EXP_MUL).
+    TANH: s = 1/2 + tanh(y) / 2, one MUFU tanh.approx with FAST (|error of s| <= 2^-12, module
+    docstring), else the same identity in exact math (the interpreter's path: it checks the
+    constants); otherwise 1 / (1 + 2^(...)), a MUFU ex2 and rcp with FAST."""
+    if TANH:
+        y = z * _TANH_MUL + _TANH_ADD
+        if FAST:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            t = 2.0 / (1.0 + tl.exp2(y * (-2.0 * _LOG2E_C))) - 1.0
+        return 0.5 + 0.5 * t
     d = 1.0 + _exp2(z * _ARG_MUL + _ARG_ADD, FAST)
     if FAST:
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32,
@@ -200,21 +236,22 @@ def _sigmoid_of_logit(z, FAST: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sigmoid(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr):
+def _chunk_sigmoid(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FAST: tl.constexpr,
+                   TANH: tl.constexpr):
     """s of the logits row_ptr[c] (c [BLOCK_V] columns; MASKED: the tail chunk, c may reach V)."""
     if MASKED:
         z = tl.load(row_ptr + c, mask=c < V, other=0.0)
     else:
         z = tl.load(row_ptr + c)
-    return _sigmoid_of_logit(z.to(tl.float32), FAST)
+    return _sigmoid_of_logit(z.to(tl.float32), FAST, TANH)
 
 
 @triton.jit
 def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.constexpr,
-                      FMA: tl.constexpr, FAST: tl.constexpr):
+                      FMA: tl.constexpr, FAST: tl.constexpr, TANH: tl.constexpr):
     """row_ptr[c] = W p (dz'/dz) with p = softmax(z')_c, grad_scale = W * 23 / 7.5: the gradient
     of every column but the targets (the fix-up after pass 2 writes those)."""
-    s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST)
+    s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST, TANH)
     dz = (grad_scale * _softmax_exp2(s * _EXP_MUL - lse2, FMA, FAST)) * (s * (1.0 - s))
     if MASKED:
         tl.store(row_ptr + c, dz.to(row_ptr.dtype.element_ty), mask=c < V)
@@ -226,7 +263,7 @@ def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.
 def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, T,
                      V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, N: tl.constexpr,
                      NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
-                     FMA2: tl.constexpr, FAST: tl.constexpr):
+                     FMA2: tl.constexpr, FAST: tl.constexpr, TANH: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     V_FULL: tl.constexpr = V - V % BLOCK_V  # columns in unmasked chunks
     slot = tl.arange(0, NS)  # [NS]: k = 0..N-1 the MTP targets, N the prefix, beyond N padding
@@ -244,16 +281,16 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
             pos = tl.where(slot == N, tl.maximum(pfx, 0), tgt)  # [NS] columns in [0, V)
             w_mtp = tl.load(mtp_w_ptr + slot, mask=mtp_ok, other=0.0)
             w = tl.where(mtp_ok, w_mtp, tl.where((slot == N) & (pfx >= 0), pw, 0.0))  # [NS]
-            s_slot = _sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST)  # [NS]
+            s_slot = _sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST, TANH)  # [NS]
             w_total = tl.sum(w, axis=0)
             w_picked = tl.sum(w * (_SCALE * s_slot), axis=0)
             # pass 1: S = sum_j exp(z'_j) (z' < 23: no max needed)
             acc = tl.zeros([BLOCK_V], dtype=tl.float32)
             for start in range(0, V_FULL, BLOCK_V):
-                s = _chunk_sigmoid(row_ptr, start + cols, V, False, FAST)
+                s = _chunk_sigmoid(row_ptr, start + cols, V, False, FAST, TANH)
                 acc += _softmax_exp2(s * _EXP_MUL, FMA1, FAST)
             if V_FULL < V:
-                s = _chunk_sigmoid(row_ptr, V_FULL + cols, V, True, FAST)
+                s = _chunk_sigmoid(row_ptr, V_FULL + cols, V, True, FAST, TANH)
                 acc += tl.where(V_FULL + cols < V, _softmax_exp2(s * _EXP_MUL, FMA1, FAST), 0.0)
             lse = tl.log(tl.sum(acc, axis=0))
             tl.store(loss_ptr + row, w_total * lse - w_picked)
@@ -263,9 +300,9 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
             lse2 = lse * _LOG2E_C
             grad_scale = w_total * _DCAP
             for start in range(0, V_FULL, BLOCK_V):
-                _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST)
+                _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST, TANH)
             if V_FULL < V:
-                _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST)
+                _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST, TANH)
             # fix-up of the target columns, after every warp's pass-2 stores: subtract the weights
             # of all slots naming the column (duplicates add up; equal columns get equal values)
             tl.debug_barrier()
@@ -338,15 +375,15 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
                                           BLOCK_V=launch.block_v, FMA1=launch.fma_exp_passes >= 2,
                                           FMA2=launch.fma_exp_passes >= 1,
                                           FAST=launch.fast_math and cuda,
-                                          num_warps=launch.num_warps)
+                                          TANH=launch.tanh_sigmoid, num_warps=launch.num_warps)
     return loss
 
 
 @torch.library.custom_op("t1s::linear_softcap_ce", mutates_args=())
 def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                          prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
-                         programs_per_sm: int, fast_math: bool,
-                         fma_exp_passes: int) -> tuple[Tensor, Tensor]:
+                         programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
+                         tanh_sigmoid: bool = False) -> tuple[Tensor, Tensor]:
     """(loss float32 [T], dz [T, V] in x's dtype): the forward of linear_softcap_ce (module
     docstring). dz is dloss/dz for a unit upstream gradient, written over the logits."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
@@ -354,13 +391,13 @@ def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Ten
     loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
                             LaunchConfig(block_v=block_v, num_warps=num_warps,
                                          programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                         fma_exp_passes=fma_exp_passes))
+                                         fma_exp_passes=fma_exp_passes, tanh_sigmoid=tanh_sigmoid))
     return loss, z
 
 
 @linear_softcap_ce_op.register_fake
 def _linear_softcap_ce_fake(x, w, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
-                            num_warps, programs_per_sm, fast_math, fma_exp_passes):
+                            num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False):
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
     return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], w.shape[1])
 
@@ -376,7 +413,7 @@ def _backward(ctx, g_loss: Tensor, _g_dz: Tensor):
     g = g_loss.float()[:, None]  # [T, 1]
     dx = (torch.mm(dz, w.t()) * g).to(x.dtype) if ctx.needs_input_grad[0] else None  # [T, D]
     dw = torch.mm((x * g).to(x.dtype).t(), dz) if ctx.needs_input_grad[1] else None  # [D, V]
-    return dx, dw, None, None, None, None, None, None, None, None, None
+    return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 linear_softcap_ce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -397,4 +434,4 @@ def linear_softcap_ce(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor
     come from build_prefix_table."""
     return linear_softcap_ce_op(x, w, targets, mtp_weights, prefix_weight, prefix_targets,
                                 launch.block_v, launch.num_warps, launch.programs_per_sm,
-                                launch.fast_math, launch.fma_exp_passes)[0]
+                                launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid)[0]

@@ -68,14 +68,15 @@ from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_
 
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
               prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
-              programs_per_sm: int, fast_math: bool, fma_exp_passes: int) -> tuple[Tensor, Tensor]:
+              programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
+              tanh_sigmoid: bool = False) -> tuple[Tensor, Tensor]:
     """(loss float32 [T], dz bf16 [T, V]) from x8 e4m3 [T, D] row-major and w8 e4m3 [D, V]
     column-major (module docstring, forward)."""
     z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V], overwritten with dz
     loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
                             LaunchConfig(block_v=block_v, num_warps=num_warps,
                                          programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                         fma_exp_passes=fma_exp_passes))
+                                         fma_exp_passes=fma_exp_passes, tanh_sigmoid=tanh_sigmoid))
     return loss, z
 
 
@@ -85,7 +86,7 @@ softcap_ce_fp8_fwd = torch.library.custom_op("t1s::softcap_ce_fp8_fwd", _fwd_bod
 
 @softcap_ce_fp8_fwd.register_fake
 def _fwd_fake(x8, w8, x_s, w_s, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
-              num_warps, programs_per_sm, fast_math, fma_exp_passes):
+              num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False):
     t, v = x8.shape[0], w8.shape[1]
     return x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16)
 
@@ -96,11 +97,12 @@ class _Fp8SoftcapCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
                 mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, block_v: int,
-                num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int) -> Tensor:
+                num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
+                tanh_sigmoid: bool) -> Tensor:
         x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
         loss, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp_weights,
                                       prefix_weight, prefix_targets, block_v, num_warps,
-                                      programs_per_sm, fast_math, fma_exp_passes)
+                                      programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid)
         ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz)
         ctx.dtypes = (x.dtype, w.dtype)
         return loss
@@ -112,7 +114,7 @@ class _Fp8SoftcapCE(torch.autograd.Function):
         g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float())
         dx, dw = fp8_grads_from_quantised(g8_row, g8_col, grad_s, x8_col, w8_row, x_s, w_s,
                                           ctx.dtypes)
-        return dx, dw, *([None] * 12)
+        return dx, dw, *([None] * 13)
 
 
 def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -128,4 +130,5 @@ def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Te
                    "keep lm_head out of Fp8Config.sites for these shapes")
     return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
                                prefix_targets, launch.block_v, launch.num_warps,
-                               launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes)
+                               launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes,
+                               launch.tanh_sigmoid)
