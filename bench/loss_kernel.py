@@ -17,8 +17,9 @@ T = 49,152, N = 1, prefix weight 0; V = 50,304, D = 768, bf16, one rank's micro-
   same bf16 logits in float32, GEMMs in float32): loss max abs, dx and dw relative (Frobenius),
   for the fused op and for the torch path;
 - --sweep: the kernel alone for several LaunchConfigs (block_v, num_warps, programs_per_sm,
-  fast_math, fma_exp_passes, tanh_sigmoid); --sweep-only: that alone, with the default launch's
-  kernel first (no torch path, no compile: ~2 min on the H200 for both keys).
+  fast_math, fma_exp_passes, tanh_sigmoid, one_pass), and the errors of the default launch with
+  tanh_sigmoid and with one_pass; --sweep-only: that alone, with the default launch's kernel
+  first (no torch path, no compile: ~1 min on the H200 for both keys with --sweep-tanh-only).
 
 Run (H200, ~3 min, mostly the torch path's compile):
     PYTHONPATH=. python bench/loss_kernel.py --out docs/results/loss_kernel_h200.json --sweep
@@ -47,16 +48,29 @@ FULL_SHAPES = {"V": 50304, "D": 768}
 SMOKE_SHAPES = {"V": 300, "D": 32}
 SMOKE_TOKENS = {"A": 24, "C": 40}
 TOKEN_IDS = 50257
-# (block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid)
-SWEEP = ((4096, 8, 8, True, 0, False), (4096, 8, 8, True, 1, False), (4096, 8, 8, True, 2, False),
-         (4096, 8, 8, False, 1, False), (4096, 16, 4, True, 1, False), (4096, 16, 4, True, 2, False),
-         (4096, 8, 4, True, 1, False), (4096, 16, 2, True, 1, False), (2048, 4, 8, True, 1, False),
-         (2048, 8, 4, True, 1, False), (2048, 4, 16, True, 1, False), (8192, 16, 4, True, 1, False),
-         # the sigmoid as one tanh.approx: 3 MUFU ops per element instead of 5, so fewer rows in
-         # flight may now keep pass 2's re-read of the row in L2
-         (4096, 8, 8, True, 1, True), (4096, 8, 8, True, 2, True), (4096, 8, 4, True, 1, True),
-         (4096, 8, 4, True, 2, True), (4096, 8, 2, True, 1, True), (4096, 16, 2, True, 1, True),
-         (4096, 16, 4, True, 2, True), (2048, 4, 8, True, 1, True), (8192, 16, 2, True, 1, True))
+# LaunchConfig fields of each sweep row
+SWEEP_FIELDS = ("block_v", "num_warps", "programs_per_sm", "fast_math", "fma_exp_passes", "tanh_sigmoid",
+                "one_pass")
+SWEEP = tuple(dict(zip(SWEEP_FIELDS, row)) for row in (
+    (4096, 8, 8, True, 0, False, False), (4096, 8, 8, True, 1, False, False),
+    (4096, 8, 8, True, 2, False, False), (4096, 8, 8, False, 1, False, False),
+    (4096, 16, 4, True, 1, False, False), (4096, 16, 4, True, 2, False, False),
+    (4096, 8, 4, True, 1, False, False), (4096, 16, 2, True, 1, False, False),
+    (2048, 4, 8, True, 1, False, False), (2048, 8, 4, True, 1, False, False),
+    (2048, 4, 16, True, 1, False, False), (8192, 16, 4, True, 1, False, False),
+    # the sigmoid as one tanh.approx: 3 MUFU ops per element instead of 5, so fewer rows in
+    # flight may now keep pass 2's re-read of the row in L2
+    (4096, 8, 8, True, 1, True, False), (4096, 8, 8, True, 2, True, False),
+    (4096, 8, 4, True, 1, True, False), (4096, 8, 4, True, 2, True, False),
+    (4096, 8, 2, True, 1, True, False), (4096, 16, 2, True, 1, True, False),
+    (4096, 16, 4, True, 2, True, False), (2048, 4, 8, True, 1, True, False),
+    (8192, 16, 2, True, 1, True, False),
+    # one pass over each row (the gradient up to a row scale): one read and one write per element;
+    # fma_exp_passes 2 puts its exp on the FMA pipes
+    (2048, 4, 8, True, 1, True, True), (2048, 4, 8, True, 2, True, True), (2048, 4, 16, True, 1, True, True),
+    (4096, 8, 8, True, 1, True, True), (4096, 8, 4, True, 1, True, True), (4096, 16, 4, True, 1, True, True),
+    (1024, 4, 8, True, 1, True, True), (1024, 2, 16, True, 1, True, True),
+))
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -180,8 +194,10 @@ def bench_key(key: LossKey, shapes: dict, device: torch.device, a, kernels) -> d
         row["loss_beyond_gemms_ms"] = {n: ms[n] - ms["gemms"] for n in ms if n not in ("gemms", "kernel")}
         row["torch_over_fused"] = ms["torch"] / ms["fused"]
     if a.sweep:
-        tanh = dataclasses.replace(launch, tanh_sigmoid=True)
-        row["errors_tanh_sigmoid"] = errors(args, functools.partial(kernels.linear_softcap_ce, launch=tanh))
+        for name, change in (("tanh_sigmoid", {"tanh_sigmoid": True}),
+                             ("one_pass", {"tanh_sigmoid": True, "one_pass": True})):
+            other = dataclasses.replace(launch, **change)
+            row[f"errors_{name}"] = errors(args, functools.partial(kernels.linear_softcap_ce, launch=other))
         a.sweep_errors = row["sweep_errors"] = {}
         row["sweep"] = sweep(args, device, a, kernels)
     return row
@@ -191,21 +207,19 @@ def sweep(args: tuple, device: torch.device, a, kernels) -> list[dict]:
     x, w, targets, mtp, pw, prefix = args
     logits = torch.mm(x.detach(), w.detach())
     rows = []
-    for block_v, num_warps, per_sm, fast, fma, tanh in SWEEP:
-        if a.sweep_tanh_only and not tanh:
+    for fields in SWEEP:
+        if a.sweep_tanh_only and not fields["tanh_sigmoid"]:
             continue
-        launch = kernels.LaunchConfig(block_v=block_v, num_warps=num_warps, programs_per_sm=per_sm,
-                                      fast_math=fast, fma_exp_passes=fma, tanh_sigmoid=tanh)
+        launch = kernels.LaunchConfig(**fields)
 
         def step(_, launch=launch):
             kernels.softcap_ce_rows_(logits, targets, mtp, pw, prefix, launch)
         t = common.run_guarded(f"sweep {launch}", lambda: time_variant(step, device, a.iters, a.warmup),
                                a.sweep_errors)
         if t is not None:
-            rows.append({"block_v": block_v, "num_warps": num_warps, "programs_per_sm": per_sm,
-                         "fast_math": fast, "fma_exp_passes": fma, "tanh_sigmoid": tanh, **t})
-            print(f"  sweep {block_v}/{num_warps}/{per_sm} fast={fast} fma={fma} tanh={tanh}: "
-                  f"{t['median_ms']:.3f} ms", flush=True)
+            rows.append({**fields, **t})
+            print("  sweep " + " ".join(f"{k}={v}" for k, v in fields.items()) + f": {t['median_ms']:.3f} ms",
+                  flush=True)
     return rows
 
 

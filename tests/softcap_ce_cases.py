@@ -6,7 +6,7 @@ against model/loss.py's own float32 torch path; N in {1, 2, 3}, T not a multiple
 V not a power of two and not a multiple of BLOCK_V, rows past T - N (tail validity), prefix ids
 mixing -1 and valid ids, zero and nonzero MTP/prefix weights, random upstream gradients, float32
 and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma_exp_passes 0, 1,
-2; the sigmoid as tanh); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
+2; the sigmoid as tanh; one pass with its row scale); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
 (kernels/softcap_ce_fp8.py): against model/fp8.py's slow references, its fullgraph trace, and its
 backward (the gradient quantised by kernels/fp8_quantise.py) bitwise model/fp8.fp8_matmul_grads
 of the logit gradient. Each case prints its measured errors (run with -s to see them). The
@@ -44,6 +44,9 @@ LARGE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes
 # the sigmoid as 1/2 + tanh / 2: the interpreter runs the identity in exact math (its constants;
 # the GPU's tanh.approx is bounded in tests/test_softcap_ce_gpu.py)
 SMALL_TANH = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_passes=1, tanh_sigmoid=True)
+# one pass: the gradient written up to a row scale (its exp on the MUFU; FMA with fma_exp_passes=2)
+SMALL_ONE_PASS = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, one_pass=True)
+LARGE_ONE_PASS = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2, one_pass=True)
 
 
 def _inputs(seed: int, t: int, d: int, v: int, n: int, dtype: torch.dtype, prefix_share: float = 0.6,
@@ -102,6 +105,9 @@ CASES = [
     (torch.float32, 2, 67, 397, SMALL_MUFU, 1e-6, 1e-5),
     (torch.float32, 3, 67, 397, SMALL_FMA2, 1e-6, 1e-5),
     (torch.float32, 3, 67, 397, SMALL_TANH, 1e-6, 1e-5),
+    (torch.float32, 3, 67, 397, SMALL_ONE_PASS, 1e-6, 1e-5),
+    (torch.float32, 2, 67, 397, LARGE_ONE_PASS, 1e-6, 1e-5),
+    (torch.bfloat16, 3, 130, 1000, LARGE_ONE_PASS, 1e-6, 1e-2),
     (torch.bfloat16, 3, 130, 1000, LARGE, 1e-6, 1e-2),
     (torch.bfloat16, 1, 64, 384, LARGE, 1e-6, 1e-2),
 ]
@@ -124,29 +130,35 @@ def test_loss_and_gradients_match_float64_reference(dtype, n, t, v, launch, loss
 # The interpreter's float32 -> bf16 cast truncates (triton 3.6 runtime/interpreter.py cast_impl);
 # the GPU rounds to nearest. Bound per element: one bf16 ulp here (2^-7 relative), half an ulp on
 # the GPU (tests/test_softcap_ce_gpu.py).
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("dtype,ulp_rel", [(torch.float32, 2.0 ** -23), (torch.bfloat16, 2.0 ** -7)])
-def test_logit_gradient_written_over_the_logits(dtype, ulp_rel):
-    """The raw op's dz (unit upstream gradient) element by element: within one ulp of dz's dtype
-    plus float32 math, and the loss within float32 rounding."""
+def test_logit_gradient_written_over_the_logits(dtype, ulp_rel, one_pass):
+    """The raw op's dz (unit upstream gradient) times its row scale, element by element: within
+    one ulp of dz's dtype plus float32 math, and the loss within float32 rounding; the row scale
+    is 1 but with one_pass."""
     x, w, targets, mtp, pw, prefix, _ = _inputs(seed=7, t=70, d=32, v=397, n=3, dtype=dtype)
-    loss, dz = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 128, 4, 5, False, 1)
+    loss, dz, scale = linear_softcap_ce_op(x, w, targets, mtp, pw, prefix, 128, 4, 5, False, 1, False,
+                                           one_pass)
     loss_ref, dz_ref, _, _ = _reference_float64(x, w, targets, mtp, pw, prefix, torch.ones(70))
-    assert dz.shape == (70, 397) and dz.dtype == dtype
+    assert dz.shape == (70, 397) and dz.dtype == dtype and scale.shape == (70,)
+    assert torch.all(scale != 1.0) if one_pass else torch.all(scale == 1.0)
+    grad = dz.double() * scale.double()[:, None]  # [T, V]
     # one ulp of the element, plus float32 math (cancellation near the targets) of 1e-6 of its row
     bound = dz_ref.abs() * ulp_rel + 1e-6 * dz_ref.abs().amax(1, keepdim=True)  # [T, V]
-    excess = (dz.double() - dz_ref).abs() / bound
-    print(f"\n{dtype} dz: max {max_err(dz, dz_ref):.2e}, rel {rel_err(dz, dz_ref):.2e}, "
+    excess = (grad - dz_ref).abs() / bound
+    print(f"\n{dtype} one_pass={one_pass} dz: max {max_err(grad, dz_ref):.2e}, rel {rel_err(grad, dz_ref):.2e}, "
           f"worst element {float(excess.max()):.2f} of its bound")
     assert float(excess.max()) <= 1.0 and max_err(loss, loss_ref) < 1e-6
 
 
-def test_tail_rows_zero_weights_and_missing_prefixes():
+@pytest.mark.parametrize("launch", [SMALL, SMALL_ONE_PASS], ids=["two_pass", "one_pass"])
+def test_tail_rows_zero_weights_and_missing_prefixes(launch):
     """Rows t >= T - 2 lose MTP terms; weight 0 turns a term off; a -1 prefix turns its term off
     (here all prefixes -1 but with a nonzero weight, and an MTP weight of 0)."""
     args = _inputs(seed=3, t=33, d=32, v=397, n=3, dtype=torch.float32, prefix_share=0.0,
                    weights=[1.0, 0.0, 0.5], prefix_weight=0.7)
     loss_ref, _, dx_ref, dw_ref = _reference_float64(*args)
-    loss, dx, dw = _fused(*args, launch=SMALL)
+    loss, dx, dw = _fused(*args, launch=launch)
     assert max_err(loss, loss_ref) < 1e-6
     assert rel_err(dx, dx_ref) < 1e-5 and rel_err(dw, dw_ref) < 1e-5
     x, w, targets, _, _, _, _ = args
@@ -156,10 +168,11 @@ def test_tail_rows_zero_weights_and_missing_prefixes():
     assert float(loss[-1]) == pytest.approx(float(last), rel=1e-6)
 
 
-def test_all_weights_zero_give_zero_loss_and_gradients():
+@pytest.mark.parametrize("launch", [SMALL, SMALL_ONE_PASS], ids=["two_pass", "one_pass"])
+def test_all_weights_zero_give_zero_loss_and_gradients(launch):
     args = _inputs(seed=4, t=40, d=32, v=397, n=2, dtype=torch.float32, weights=[0.0, 0.0],
                    prefix_weight=0.0)
-    loss, dx, dw = _fused(*args, launch=SMALL)
+    loss, dx, dw = _fused(*args, launch=launch)
     assert torch.count_nonzero(loss) == 0 and torch.count_nonzero(dx) == 0 and torch.count_nonzero(dw) == 0
 
 
@@ -177,9 +190,11 @@ def test_matches_the_float32_torch_path():
     assert errs[0] < 1e-6 and max(errs[1:]) < 1e-2
 
 
-def test_opcheck():
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_opcheck(one_pass):
     x, w, targets, mtp, pw, prefix, _ = _inputs(seed=6, t=17, d=8, v=100, n=2, dtype=torch.float32)
-    args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2, False, 1)
+    args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2, False, 1,
+            False, one_pass)
     torch.library.opcheck(linear_softcap_ce_op, args)
 
 
@@ -228,18 +243,19 @@ def _fp8_reference(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s):
     return loss.detach(), dx, dw
 
 
-def _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=None):
+def _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=None, launch=LARGE):
     from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
 
     xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
     run = fn or (lambda x, w: linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, x_s=x_s, w_s=w_s,
-                                                     grad_s=grad_s, launch=LARGE))
+                                                     grad_s=grad_s, launch=launch))
     loss = run(xl, wl)
     loss.backward(upstream)
     return loss.detach(), xl.grad, wl.grad
 
 
-def test_fp8_head_matches_the_fp8_reference():
+@pytest.mark.parametrize("launch", [LARGE, LARGE_ONE_PASS], ids=["two_pass", "one_pass"])
+def test_fp8_head_matches_the_fp8_reference(launch):
     """The fp8 fused head against model/fp8.py's references around the torch loss: the loss equals
     it up to float32 rounding (the same fp8 operands); the gradients differ only where the bf16
     rounding of dz moves an element across an e5m2 rounding boundary (2 mantissa bits: a flip is
@@ -250,7 +266,7 @@ def test_fp8_head_matches_the_fp8_reference():
     _, dz64, dx64, _ = _reference_float64(x, w, targets, mtp, pw, prefix, upstream)  # bf16 GEMMs
     grad_s = amax_scale(dz64.float(), E5M2)  # the logit gradient over the e5m2 range
     loss_ref, dx_ref, dw_ref = _fp8_reference(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
-    loss, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
+    loss, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, launch=launch)
     assert loss.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == torch.bfloat16
     errs = {"loss_max": max_err(loss, loss_ref.double()), "dx_rel": rel_err(dx, dx_ref.double()),
             "dw_rel": rel_err(dw, dw_ref.double()), "dx_rel_vs_bf16": rel_err(dx, dx64)}
@@ -280,22 +296,26 @@ def test_fp8_head_traces_as_one_graph():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_fp8_head_backward_is_fp8_matmuls_backward_of_the_logit_gradient():
+@pytest.mark.parametrize("launch", [LARGE, LARGE_ONE_PASS], ids=["two_pass", "one_pass"])
+def test_fp8_head_backward_is_fp8_matmuls_backward_of_the_logit_gradient(launch):
     """The backward's fused quantisation (kernels/fp8_quantise.py) changes nothing: dx and dw are
-    BITWISE model/fp8.fp8_matmul_grads of the graph-code logit gradient dz * g[:, None], from the
-    raw forward op's dz and the same e4m3 operands."""
+    BITWISE model/fp8.fp8_matmul_grads of the graph-code logit gradient dz * (g * r)[:, None], from
+    the raw forward op's dz and row scale r and the same e4m3 operands."""
     from track_1_short.kernels.softcap_ce_fp8 import softcap_ce_fp8_fwd
     from track_1_short.model.fp8 import (E5M2, amax_scale, col_major, fp8_matmul_grads,
                                          quantise_operands, row_major)
 
     x, w, targets, mtp, pw, prefix, upstream, x_s, w_s = _fp8_case(seed=13)
     x8, w8 = quantise_operands(x, w, x_s, w_s)
-    _, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp, pw, prefix,
-                               LARGE.block_v, LARGE.num_warps, LARGE.programs_per_sm, False,
-                               LARGE.fma_exp_passes)
-    gz = dz * upstream[:, None]  # [T, V] float32, what the backward quantised before the kernel
+    _, dz, scale = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp, pw, prefix,
+                                      launch.block_v, launch.num_warps, launch.programs_per_sm,
+                                      launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid,
+                                      launch.one_pass)
+    # the two-pass kernel writes the whole gradient (a unit row scale), the one-pass one does not
+    assert torch.all(scale != 1.0) if launch.one_pass else torch.all(scale == 1.0)
+    gz = dz * (upstream * scale)[:, None]  # [T, V] float32, what the backward quantised before the kernel
     grad_s = amax_scale(gz, E5M2)
     dx_ref, dw_ref = fp8_matmul_grads(gz, grad_s, col_major(x8), row_major(w8), x_s, w_s,
                                       (torch.bfloat16, torch.bfloat16))
-    _, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s)
+    _, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, launch=launch)
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)

@@ -94,10 +94,12 @@ def test_set_reaches_any_scalar_field_after_the_other_flags():
     ("data=3", r"a section \(DataConfig\), not a field"),
     ("model.ngram.trigram_rows=1", "NgramConfig.trigram_rows=1 must be >= 2"),  # re-validated
     ("model.attn_out_init=normal", "GPTConfig.attn_out_init='normal'"),
+    ("train.fused_loss_one_pass=true --no-fused-loss", "fused_loss_one_pass=true is a schedule of the fused loss"),
 ])
 def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
+    item, *flags = item.split(" ")
     with pytest.raises(SystemExit) as e:
-        config_mod.parse(["--preset", "small-gpu", "--set", item])
+        config_mod.parse(["--preset", "small-gpu", "--set", item, *flags])
     assert e.value.code == 2
     assert re.search(needle, capsys.readouterr().err)
 

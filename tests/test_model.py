@@ -337,9 +337,12 @@ def test_strategies_are_installed_from_outside():
     build._install_fused_loss(model, torch.device("cuda"), enabled=False)
     assert model.head_loss is None
     build._install_fused_loss(model, torch.device("cuda"), enabled=True)
-    from track_1_short.kernels.softcap_ce import linear_softcap_ce
-    assert model.head_loss is linear_softcap_ce
-    assert "fused Triton kernel" in build.describe_strategies(model)
+    from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, linear_softcap_ce
+    assert model.head_loss.func is linear_softcap_ce and model.head_loss.keywords["launch"] == DEFAULT_LAUNCH
+    assert build.describe_strategies(model).endswith("fused Triton kernel (kernels/softcap_ce.py) loss")
+    build._install_fused_loss(model, torch.device("cuda"), enabled=True, one_pass=True)
+    assert model.head_loss.keywords["launch"].one_pass
+    assert build.describe_strategies(model).endswith("(kernels/softcap_ce.py) in one pass loss")
     model.head_loss = None
     model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
     build._install_fused_loss(model, torch.device("cuda"), enabled=True)
@@ -349,13 +352,14 @@ def test_strategies_are_installed_from_outside():
     assert head.keywords["x_s"] is model.matmuls.lm_head_x_scale
     assert head.keywords["w_s"] is model.matmuls.lm_head_w_scale
     assert head.keywords["grad_s"] is model.matmuls.lm_head_grad_scale
+    assert head.keywords["launch"] == DEFAULT_LAUNCH
     assert build.describe_strategies(model) == (
         "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls, fused "
         "Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py) loss")
     mlp_only = _model(fp8=Fp8Config(enabled=True, sites=("mlp_up", "mlp_down")))
     mlp_only.matmuls = Fp8Matmuls(mlp_only.config.fp8, num_layers=mlp_only.config.num_layers)
     build._install_fused_loss(mlp_only, torch.device("cuda"), enabled=True)
-    assert mlp_only.head_loss is linear_softcap_ce, "fp8 on the MLP only keeps the fused loss"
+    assert mlp_only.head_loss.func is linear_softcap_ce, "fp8 on the MLP only keeps the fused loss"
     assert build.describe_strategies(mlp_only) == ("training forward: fp8 (mlp_up, mlp_down), "
                                                    "otherwise bf16/fp32 matmuls, fused Triton "
                                                    "kernel (kernels/softcap_ce.py) loss")

@@ -24,7 +24,7 @@ from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce import LaunchConfig, linear_softcap_ce  # noqa: E402
 
-NUM_CASES = 17  # tests in softcap_ce_cases.py (parametrizations included)
+NUM_CASES = 27  # tests in softcap_ce_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -41,9 +41,10 @@ def _args(t=49152, d=768, v=50304, n=3, device="cuda", dtype=torch.bfloat16):
 def test_fake_registration_gives_loss_and_logit_gradient_shapes():
     with FakeTensorMode():
         args = _args()
-        loss, dz = softcap_ce.linear_softcap_ce_op(*args, 4096, 16, 2, True, 1)
+        loss, dz, scale = softcap_ce.linear_softcap_ce_op(*args, 4096, 16, 2, True, 1)
         assert loss.shape == (49152,) and loss.dtype == torch.float32 and loss.device.type == "cuda"
         assert dz.shape == (49152, 50304) and dz.dtype == torch.bfloat16
+        assert scale.shape == (49152,) and scale.dtype == torch.float32
     with FakeTensorMode():  # autograd through the fake kernel (CPU fakes: the CPU build has no CUDA autograd)
         args = _args(device="cpu")
         x, w = args[0].requires_grad_(), args[1].requires_grad_()

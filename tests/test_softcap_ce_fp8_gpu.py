@@ -18,6 +18,8 @@ Run: `PYTHONPATH=. .venv/bin/python -m pytest -m gpu tests/test_softcap_ce_fp8_g
 Legend: T tokens, D model dim, V vocab.
 """
 
+import dataclasses
+import functools
 import statistics
 
 import pytest
@@ -54,8 +56,8 @@ def _scales():
             (("x_s", LM_HEAD_X_SCALE), ("w_s", LM_HEAD_W_SCALE), ("grad_s", LM_HEAD_GRAD_SCALE))}
 
 
-def _fused(x, w, targets, mtp, pw, prefix, scales):
-    return linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, **scales)
+def _fused(x, w, targets, mtp, pw, prefix, scales, launch=DEFAULT_LAUNCH):
+    return linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, **scales, launch=launch)
 
 
 def _torch_fp8(x, w, targets, mtp, pw, prefix, scales):
@@ -82,19 +84,22 @@ def _ms(fn, *args, reps: int = 5) -> float:
     return start.elapsed_time(end) / reps
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
 @pytest.mark.parametrize("key", sorted(KEYS))
-def test_equals_the_torch_fp8_path_at_speedrun_shapes(key):
+def test_equals_the_torch_fp8_path_at_speedrun_shapes(key, one_pass):
     """The same fp8 forward GEMM: the loss equal within float32 rounding; the gradients from the
     same e5m2 grid (the torch path's bf16 softcap backward against the kernel's float32 one can
-    move an element across a rounding boundary of the 2-bit mantissa)."""
+    move an element across a rounding boundary of the 2-bit mantissa); the default launch and
+    the one-pass kernel (kernels/softcap_ce.py, "One pass"), each timed."""
     args = (*_inputs(key, seed=1), _scales())
-    fused, ref = _grads(_fused, *args), _grads(_torch_fp8, *args)
+    fused_fn = functools.partial(_fused, launch=dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass))
+    fused, ref = _grads(fused_fn, *args), _grads(_torch_fp8, *args)
     errs = {"loss_max": float((fused[0] - ref[0]).abs().max() / ref[0].abs().max()),
             "dx_rel": rel_err(fused[1], ref[1].float()), "dw_rel": rel_err(fused[2], ref[2].float())}
     bf16 = _grads(linear_softcap_ce, *args[:-1])
     errs["dx_rel_vs_bf16_head"] = rel_err(fused[1], bf16[1].float())
-    times = {"fp8 fused": _ms(_fused, *args), "bf16 fused": _ms(linear_softcap_ce, *args[:-1])}
-    print(f"\nkey {key}: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()) + "; forward + backward "
+    times = {"fp8 fused": _ms(fused_fn, *args), "bf16 fused": _ms(linear_softcap_ce, *args[:-1])}
+    print(f"\nkey {key} one_pass={one_pass}: " + ", ".join(f"{k} {e:.2e}" for k, e in errs.items()) + "; forward + backward "
           + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
     assert errs["loss_max"] < 1e-3  # fast accumulation on both sides; bf16 logits on both
     assert max(errs["dx_rel"], errs["dw_rel"]) < 3e-2
@@ -164,10 +169,10 @@ def test_gradient_quantisation_kernel_equals_the_reference_at_stage_c():
     x, w, targets, mtp, pw, prefix = _inputs("C", seed=7)
     scales = _scales()
     x8, w8 = quantise_operands(x, w, scales["x_s"], scales["w_s"])
-    _, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), scales["x_s"], scales["w_s"], targets, mtp,
-                               pw, prefix, DEFAULT_LAUNCH.block_v, DEFAULT_LAUNCH.num_warps,
-                               DEFAULT_LAUNCH.programs_per_sm, DEFAULT_LAUNCH.fast_math,
-                               DEFAULT_LAUNCH.fma_exp_passes, DEFAULT_LAUNCH.tanh_sigmoid)  # [T, V] bf16
+    _, dz, _ = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), scales["x_s"], scales["w_s"], targets, mtp,
+                                  pw, prefix, DEFAULT_LAUNCH.block_v, DEFAULT_LAUNCH.num_warps,
+                                  DEFAULT_LAUNCH.programs_per_sm, DEFAULT_LAUNCH.fast_math,
+                                  DEFAULT_LAUNCH.fma_exp_passes, DEFAULT_LAUNCH.tanh_sigmoid)  # [T, V] bf16
     del x, w, x8, w8
     g = torch.randn(dz.shape[0], device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
     grad_s = scales["grad_s"]

@@ -127,6 +127,9 @@ class TrainConfig:
     validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
     # the fused lm-head + softcapped CE kernel (kernels/softcap_ce.py) on CUDA with a bf16 lm head
     fused_loss: bool = True
+    # that kernel in one pass over each logit row, the gradient written up to a row scale
+    # (kernels/softcap_ce.py, "One pass"; off until timed: scripts/gpu/fp8_step.sh's fast_1pass)
+    fused_loss_one_pass: bool = False
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
     # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with
@@ -168,6 +171,9 @@ class TrainConfig:
                              f"(drop --no-compile)")
         if self.mlp_kernel not in MLP_KERNELS:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
+        if self.fused_loss_one_pass and not self.fused_loss:
+            raise ValueError("train.fused_loss_one_pass=true is a schedule of the fused loss: drop "
+                             "--no-fused-loss, or the one-pass setting")
         if self.max_autotune and (not self.compile or self.compile_backend != "inductor"):
             raise ValueError("TrainConfig.max_autotune needs the compiled model with the inductor "
                              f"backend (compile={self.compile}, compile_backend={self.compile_backend!r})")

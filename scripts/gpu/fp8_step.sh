@@ -37,6 +37,9 @@
 #            projection and the MLP backward bf16)
 #   fast_head_mudd_fp8up fast_fp8up with head_mudd's flags: the record's architecture with the
 #            fp8 lm head, the fp8 up projection and the fused ReLU^2 together
+#   fast_1pass fast with the fused loss kernel in one pass over each logit row
+#            (--set train.fused_loss_one_pass=true; kernels/softcap_ce.py "One pass")
+#   fast_head_mudd_1pass fast_head_mudd with it: the like-for-like step against the record
 #   head_mudd the loss variant head_mudd alone (bf16, FlexAttention): what its flags cost
 #   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
@@ -67,6 +70,8 @@ variant_flags() {
     fast_fp8up) echo "$(variant_flags fa4_quack) --set model.fp8.enabled=true" \
                      "--set model.fp8.sites=lm_head,mlp_up --set model.fp8.mlp_backward=bf16" ;;
     fast_head_mudd_fp8up) echo "$(variant_flags fast_fp8up) $(loss_variant_flags head_mudd)" ;;
+    fast_1pass) echo "$(variant_flags fast) --set train.fused_loss_one_pass=true" ;;
+    fast_head_mudd_1pass) echo "$(variant_flags fast_head_mudd) --set train.fused_loss_one_pass=true" ;;
     head_mudd_fp8) loss_variant_flags head_mudd_fo_fp8 ;;
     fast_head_mudd_fp8) echo "$(loss_variant_flags head_mudd_fo_fp8) $(variant_flags fa4)" ;;
     head_mudd) loss_variant_flags head_mudd ;;

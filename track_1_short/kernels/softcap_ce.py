@@ -18,9 +18,11 @@ How it works (one definition for eager, torch.compile and CUDA-graph capture):
                 pass 1 over V in BLOCK_V chunks: S_t = sum_j exp(z'_tj)  -> lse_t, loss_t
                 pass 2 over V: W_t softmax_j dz'/dz, written IN PLACE over z (z.dtype)
                 fix-up: the slots' columns rewritten with their one-hot terms subtracted
-              returns (loss [T] float32, dz [T, V]); dz is saved for the backward
-    backward  upstream g [T]: row scaling commutes with the GEMMs, so
-              dx = g[:, None] * (dz @ w^T)    dw = (g[:, None] * x)^T @ dz
+              returns (loss [T] float32, dz [T, V], r [T] float32); dloss/dz = r[:, None] * dz
+              (r = 1 here; LaunchConfig.one_pass writes dz up to a row scale, "One pass" below);
+              dz and r are saved for the backward
+    backward  upstream g [T]: row scaling commutes with the GEMMs, so with h = g * r
+              dx = h[:, None] * (dz @ w^T)    dw = (h[:, None] * x)^T @ dz
               (two GEMMs and [T, D] scalings, no [T, V] elementwise pass)
 No max pass: z' lies in (0, 23), so exp(z') <= e^23 ~ 1e10 and the float32 sum over V = 50,304
 stays below 5e14. The one-hot terms touch N + 1 columns per row, so they are a scalar fix-up
@@ -64,6 +66,21 @@ at C from the MUFU count alone; what binds now is memory: pass 2 reads the row a
 ~1,000 rows in flight (100 KB each) that read misses the 50 MB L2, so ~14.8 GB move per call at C
 (3.8 ms is ~3.9 TB/s). Fewer rows in flight (2 or 4 per SM) did not keep it in L2 (slower). The
 record reads the row once (its sigmoids stay in shared memory).
+
+One pass (LaunchConfig.one_pass; built after the lease that measured "Sigmoid as tanh", not yet
+timed, so not the default): the row's scale is the only thing pass 2 needs from pass 1, and a
+row scale commutes with the backward's GEMMs like the upstream gradient does. So one pass
+writes u_j = exp(z'_j - 23) s_j (1 - s_j) over each chunk as it reads it (z' - 23 lies in
+(-23, 0]: no overflow, no denormal, bf16 keeps the same relative precision as the whole
+gradient) while it sums S' = sum_j exp(z'_j - 23); then r = W (23 / 7.5) / S', lse = 23 + log S',
+and the fix-up writes the slots' columns as (exp(z'_t - 23) - (sub / W) S') s (1 - s), so that
+r u is the gradient above (W = 0: r = 0, the row's gradient is 0). The backward multiplies g by
+r (above), the fp8 head's quantise kernel takes g r as its row factor. Bytes per element: one
+read and one write of the row (4 at bf16, 9.9 GB per call at C) instead of ~6 when pass 2's
+re-read misses L2; MUFU ops 2 (tanh, ex2). Predicted at C: ~2.5-2.8 ms against 3.8 (memory at
+~3.9 TB/s), at A ~1.0 against 1.4; i.e. ~-1.1 ms per stage-C micro-step, ~-9 ms per step.
+Numerics: u rounds to bf16 like dz did (half an ulp relative), r stays float32; the row scale
+reaches dw through (h x) rounded to bf16, as g alone did.
 
 Math (equal to model/loss.py up to float32 rounding; N = len(mtp_weights), shapes below):
     z'_tj = 23 * sigmoid((z_tj + 5) / 7.5)        lse_t = log sum_j exp(z'_tj)
@@ -152,6 +169,9 @@ class LaunchConfig:
     fast_math: bool = True  # CUDA: ex2/rcp.approx.ftz inline PTX (module docstring, "Fast math")
     fma_exp_passes: int = 1  # softmax exps on the FMA pipes: 0 none, 1 pass 2, 2 both passes
     tanh_sigmoid: bool = True  # CUDA: the softcap's sigmoid as one tanh.approx ("Sigmoid as tanh")
+    # one pass over the row: the gradient written up to a per-row scale (module docstring, "One
+    # pass"); its exp on the FMA pipes with fma_exp_passes=2
+    one_pass: bool = False
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
@@ -260,10 +280,27 @@ def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.
 
 
 @triton.jit
-def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, T,
+def _store_chunk_unnormalised(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FMA: tl.constexpr,
+                              FAST: tl.constexpr, TANH: tl.constexpr):
+    """One pass's chunk: e = exp(z' - 23) of the logits row_ptr[c], row_ptr[c] = e s (1 - s) in
+    place (the gradient up to the row's scale W (23 / 7.5) / sum_j e_j); returns e (0 past V)."""
+    s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST, TANH)
+    e = _softmax_exp2(s * _EXP_MUL - _EXP_MUL, FMA, FAST)  # z' - 23 = 23 (s - 1) in (-23, 0]
+    u = e * (s * (1.0 - s))
+    if MASKED:
+        tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty), mask=c < V)
+        return tl.where(c < V, e, 0.0)
+    else:
+        tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty))
+        return e
+
+
+@triton.jit
+def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, loss_ptr, scale_ptr, T,
                      V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, N: tl.constexpr,
                      NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
-                     FMA2: tl.constexpr, FAST: tl.constexpr, TANH: tl.constexpr):
+                     FMA2: tl.constexpr, FAST: tl.constexpr, TANH: tl.constexpr,
+                     ONE_PASS: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     V_FULL: tl.constexpr = V - V % BLOCK_V  # columns in unmasked chunks
     slot = tl.arange(0, NS)  # [NS]: k = 0..N-1 the MTP targets, N the prefix, beyond N padding
@@ -274,7 +311,7 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
         row = tl.program_id(0) + i * tl.num_programs(0)
         if row < T:
             row_ptr = z_ptr + row.to(tl.int64) * V
-            # the slots' columns, weights and logits, read before pass 2 overwrites the row
+            # the slots' columns, weights and logits, read before any store overwrites the row
             mtp_ok = (slot < N) & (row + slot < T)
             tgt = tl.load(targets_ptr + row + slot, mask=mtp_ok, other=0)
             pfx = tl.load(prefix_ptr + row)
@@ -284,31 +321,53 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
             s_slot = _sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST, TANH)  # [NS]
             w_total = tl.sum(w, axis=0)
             w_picked = tl.sum(w * (_SCALE * s_slot), axis=0)
-            # pass 1: S = sum_j exp(z'_j) (z' < 23: no max needed)
-            acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-            for start in range(0, V_FULL, BLOCK_V):
-                s = _chunk_sigmoid(row_ptr, start + cols, V, False, FAST, TANH)
-                acc += _softmax_exp2(s * _EXP_MUL, FMA1, FAST)
-            if V_FULL < V:
-                s = _chunk_sigmoid(row_ptr, V_FULL + cols, V, True, FAST, TANH)
-                acc += tl.where(V_FULL + cols < V, _softmax_exp2(s * _EXP_MUL, FMA1, FAST), 0.0)
-            lse = tl.log(tl.sum(acc, axis=0))
-            tl.store(loss_ptr + row, w_total * lse - w_picked)
-            # every warp has read the slots' logits before any warp overwrites the row
-            tl.debug_barrier()
-            # pass 2: W p_j dz'/dz everywhere, in place
-            lse2 = lse * _LOG2E_C
-            grad_scale = w_total * _DCAP
-            for start in range(0, V_FULL, BLOCK_V):
-                _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST, TANH)
-            if V_FULL < V:
-                _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST, TANH)
-            # fix-up of the target columns, after every warp's pass-2 stores: subtract the weights
-            # of all slots naming the column (duplicates add up; equal columns get equal values)
-            tl.debug_barrier()
+            # the weights of all slots naming each slot's column (duplicates add up)
             sub = tl.sum(tl.where(pos[:, None] == pos[None, :], w[None, :], 0.0), axis=1)  # [NS]
-            p_slot = _softmax_exp2(s_slot * _EXP_MUL - lse2, FMA2, FAST)
-            dz_slot = (w_total * p_slot - sub) * (_DCAP * s_slot * (1.0 - s_slot))
+            if ONE_PASS:
+                # every warp has read the slots' logits before any warp overwrites the row
+                tl.debug_barrier()
+                # the one pass: S' = sum_j exp(z'_j - 23), e s (1 - s) written in place
+                acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+                for start in range(0, V_FULL, BLOCK_V):
+                    acc += _store_chunk_unnormalised(row_ptr, start + cols, V, False, FMA1, FAST, TANH)
+                if V_FULL < V:
+                    acc += _store_chunk_unnormalised(row_ptr, V_FULL + cols, V, True, FMA1, FAST, TANH)
+                total = tl.sum(acc, axis=0)
+                lse = _SCALE + tl.log(total)
+                scale = tl.where(w_total > 0.0, w_total * _DCAP / total, 0.0)
+                # fix-up of the target columns, after every warp's stores: (e - (sub / W) S') s (1 - s),
+                # which the row's scale turns into (W p - sub) dz'/dz
+                tl.debug_barrier()
+                ratio = sub / tl.where(w_total > 0.0, w_total, 1.0)  # W = 0: sub = 0
+                e_slot = _softmax_exp2(s_slot * _EXP_MUL - _EXP_MUL, FMA1, FAST)
+                dz_slot = (e_slot - ratio * total) * (s_slot * (1.0 - s_slot))
+            else:
+                # pass 1: S = sum_j exp(z'_j) (z' < 23: no max needed)
+                acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+                for start in range(0, V_FULL, BLOCK_V):
+                    s = _chunk_sigmoid(row_ptr, start + cols, V, False, FAST, TANH)
+                    acc += _softmax_exp2(s * _EXP_MUL, FMA1, FAST)
+                if V_FULL < V:
+                    s = _chunk_sigmoid(row_ptr, V_FULL + cols, V, True, FAST, TANH)
+                    acc += tl.where(V_FULL + cols < V, _softmax_exp2(s * _EXP_MUL, FMA1, FAST), 0.0)
+                lse = tl.log(tl.sum(acc, axis=0))
+                scale = w_total * 0.0 + 1.0  # the gradient is written whole: a unit row scale
+                # every warp has read the slots' logits before any warp overwrites the row
+                tl.debug_barrier()
+                # pass 2: W p_j dz'/dz everywhere, in place
+                lse2 = lse * _LOG2E_C
+                grad_scale = w_total * _DCAP
+                for start in range(0, V_FULL, BLOCK_V):
+                    _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST, TANH)
+                if V_FULL < V:
+                    _store_chunk_grad(row_ptr, V_FULL + cols, grad_scale, lse2, V, True, FMA2, FAST, TANH)
+                # fix-up of the target columns, after every warp's pass-2 stores: subtract the
+                # weights of all slots naming the column (equal columns get equal values)
+                tl.debug_barrier()
+                p_slot = _softmax_exp2(s_slot * _EXP_MUL - lse2, FMA2, FAST)
+                dz_slot = (w_total * p_slot - sub) * (_DCAP * s_slot * (1.0 - s_slot))
+            tl.store(loss_ptr + row, w_total * lse - w_picked)
+            tl.store(scale_ptr + row, scale)
             tl.store(row_ptr + pos, dz_slot.to(z_ptr.dtype.element_ty), mask=slot <= N)
 
 
@@ -353,10 +412,12 @@ def _check_inputs(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, pr
 
 
 def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_weight: Tensor,
-                     prefix_targets: Tensor, launch: LaunchConfig) -> Tensor:
-    """The kernel alone: per-token loss float32 [T] of the logits z [T, V] (contiguous, bf16 or
-    float32), and z overwritten IN PLACE with dloss/dz for a unit upstream gradient. The op's
-    forward after its GEMM; bench/loss_kernel.py times it on its own."""
+                     prefix_targets: Tensor, launch: LaunchConfig) -> tuple[Tensor, Tensor]:
+    """The kernel alone: (per-token loss float32 [T], row scale float32 [T]) of the logits z
+    [T, V] (contiguous, bf16 or float32), and z overwritten IN PLACE with dloss/dz for a unit
+    upstream gradient divided by the row scale (dloss/dz = scale[:, None] * z afterwards; the
+    scale is 1 unless launch.one_pass). The op's forward after its GEMM; bench/loss_kernel.py
+    times it on its own."""
     (t, v), n = z.shape, mtp_weights.shape[0]
     cuda = z.device.type == "cuda"
     if not cuda and not interpreted():
@@ -366,54 +427,62 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
     if not z.is_contiguous():
         raise ValueError(f"softcap_ce_rows_: z needs to be contiguous, got strides {z.stride()}")
     loss = torch.empty(t, dtype=torch.float32, device=z.device)  # [T]
+    scale = torch.empty(t, dtype=torch.float32, device=z.device)  # [T]
     num_programs = _num_programs(z.device, t, launch.programs_per_sm)
     with torch.cuda.device(z.device) if cuda else contextlib.nullcontext():
         _softcap_ce_rows[(num_programs,)](z, targets.contiguous(), prefix_targets.contiguous(),
-                                          mtp_weights.contiguous(), prefix_weight, loss, t, V=v,
+                                          mtp_weights.contiguous(), prefix_weight, loss, scale, t, V=v,
                                           ROWS_PER_PROGRAM=triton.cdiv(t, num_programs),
                                           N=n, NS=triton.next_power_of_2(n + 1),
                                           BLOCK_V=launch.block_v, FMA1=launch.fma_exp_passes >= 2,
                                           FMA2=launch.fma_exp_passes >= 1,
                                           FAST=launch.fast_math and cuda,
-                                          TANH=launch.tanh_sigmoid, num_warps=launch.num_warps)
-    return loss
+                                          TANH=launch.tanh_sigmoid, ONE_PASS=launch.one_pass,
+                                          num_warps=launch.num_warps)
+    return loss, scale
 
 
 @torch.library.custom_op("t1s::linear_softcap_ce", mutates_args=())
 def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                          prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
                          programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-                         tanh_sigmoid: bool = False) -> tuple[Tensor, Tensor]:
-    """(loss float32 [T], dz [T, V] in x's dtype): the forward of linear_softcap_ce (module
-    docstring). dz is dloss/dz for a unit upstream gradient, written over the logits."""
+                         tanh_sigmoid: bool = False, one_pass: bool = False
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss float32 [T], dz [T, V] in x's dtype, row scale float32 [T]): the forward of
+    linear_softcap_ce (module docstring). scale[:, None] * dz is dloss/dz for a unit upstream
+    gradient; dz is written over the logits."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
     z = torch.mm(x, w)  # [T, V]; overwritten with dz by the kernel
-    loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
-                            LaunchConfig(block_v=block_v, num_warps=num_warps,
-                                         programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                         fma_exp_passes=fma_exp_passes, tanh_sigmoid=tanh_sigmoid))
-    return loss, z
+    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
+                                   LaunchConfig(block_v=block_v, num_warps=num_warps,
+                                                programs_per_sm=programs_per_sm, fast_math=fast_math,
+                                                fma_exp_passes=fma_exp_passes,
+                                                tanh_sigmoid=tanh_sigmoid, one_pass=one_pass))
+    return loss, z, scale
 
 
 @linear_softcap_ce_op.register_fake
 def _linear_softcap_ce_fake(x, w, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
-                            num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False):
+                            num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False,
+                            one_pass=False):
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
-    return x.new_empty(x.shape[0], dtype=torch.float32), x.new_empty(x.shape[0], w.shape[1])
+    t = x.shape[0]
+    return (x.new_empty(t, dtype=torch.float32), x.new_empty(t, w.shape[1]),
+            x.new_empty(t, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     x, w = inputs[0], inputs[1]
-    ctx.mark_non_differentiable(output[1])
-    ctx.save_for_backward(x, w, output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(x, w, output[1], output[2])
 
 
-def _backward(ctx, g_loss: Tensor, _g_dz: Tensor):
-    x, w, dz = ctx.saved_tensors  # [T, D], [D, V], [T, V]
-    g = g_loss.float()[:, None]  # [T, 1]
+def _backward(ctx, g_loss: Tensor, _g_dz: Tensor, _g_scale: Tensor):
+    x, w, dz, scale = ctx.saved_tensors  # [T, D], [D, V], [T, V], [T]
+    g = (g_loss.float() * scale)[:, None]  # [T, 1]: the upstream gradient times the row scale
     dx = (torch.mm(dz, w.t()) * g).to(x.dtype) if ctx.needs_input_grad[0] else None  # [T, D]
     dw = torch.mm((x * g).to(x.dtype).t(), dz) if ctx.needs_input_grad[1] else None  # [D, V]
-    return dx, dw, None, None, None, None, None, None, None, None, None, None
+    return dx, dw, *([None] * 11)
 
 
 linear_softcap_ce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -434,4 +503,5 @@ def linear_softcap_ce(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor
     come from build_prefix_table."""
     return linear_softcap_ce_op(x, w, targets, mtp_weights, prefix_weight, prefix_targets,
                                 launch.block_v, launch.num_warps, launch.programs_per_sm,
-                                launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid)[0]
+                                launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid,
+                                launch.one_pass)[0]

@@ -14,14 +14,15 @@ measured before the gradient's quantisation moved into kernels/fp8_quantise.py.
 How it works (one definition for eager, torch.compile and CUDA-graph capture; shapes below):
     forward   x8 = q4(x / x_s) [T, D], w8 = q4(w / w_s) [D, V]      (e4m3; graph code, fused)
               t1s::softcap_ce_fp8_fwd: z = _scaled_mm(x8, w8) * x_s * w_s -> bf16 [T, V]
-                (fast accumulation), then kernels/softcap_ce.py's kernel: loss [T] and dz
-                (dloss/dz for a unit upstream gradient) written over z
-    backward  upstream g [T]: g8 = q5(dz * g[:, None] / grad_s) [T, V]             (e5m2)
+                (fast accumulation), then kernels/softcap_ce.py's kernel: loss [T], the row
+                scale r [T] and dz written over z (r[:, None] * dz is dloss/dz for a unit
+                upstream gradient; r = 1 but with LaunchConfig.one_pass)
+    backward  upstream g [T]: g8 = q5(dz * (g * r)[:, None] / grad_s) [T, V]       (e5m2)
                 t1s::fp8_quantise_both_layouts (kernels/fp8_quantise.py): one Triton kernel
                 writes g8 row-major and column-major; no float32 [T, V] gz is materialised
               dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
               dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
-The backward is fp8_matmul's: the kernel's g8 is bitwise model/fp8.quantise(dz * g[:, None],
+The backward is fp8_matmul's: the kernel's g8 is bitwise model/fp8.quantise(dz * (g * r)[:, None],
 grad_s, E5M2) in the layouts fp8_matmul_grads makes of it, and the GEMMs are
 model/fp8.fp8_grads_from_quantised (x8 column-major, w8 row-major, exact accumulation); so an
 fp8 lm head trains on the same gradient as the torch loss would give it, up to the bf16 rounding
@@ -69,15 +70,16 @@ from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
               prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
               programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-              tanh_sigmoid: bool = False) -> tuple[Tensor, Tensor]:
-    """(loss float32 [T], dz bf16 [T, V]) from x8 e4m3 [T, D] row-major and w8 e4m3 [D, V]
-    column-major (module docstring, forward)."""
+              tanh_sigmoid: bool = False, one_pass: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss float32 [T], dz bf16 [T, V], row scale float32 [T]) from x8 e4m3 [T, D] row-major
+    and w8 e4m3 [D, V] column-major (module docstring, forward); dloss/dz = scale[:, None] * dz."""
     z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V], overwritten with dz
-    loss = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
-                            LaunchConfig(block_v=block_v, num_warps=num_warps,
-                                         programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                         fma_exp_passes=fma_exp_passes, tanh_sigmoid=tanh_sigmoid))
-    return loss, z
+    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
+                                   LaunchConfig(block_v=block_v, num_warps=num_warps,
+                                                programs_per_sm=programs_per_sm, fast_math=fast_math,
+                                                fma_exp_passes=fma_exp_passes,
+                                                tanh_sigmoid=tanh_sigmoid, one_pass=one_pass))
+    return loss, z, scale
 
 
 softcap_ce_fp8_fwd = torch.library.custom_op("t1s::softcap_ce_fp8_fwd", _fwd_body, mutates_args=(),
@@ -86,9 +88,10 @@ softcap_ce_fp8_fwd = torch.library.custom_op("t1s::softcap_ce_fp8_fwd", _fwd_bod
 
 @softcap_ce_fp8_fwd.register_fake
 def _fwd_fake(x8, w8, x_s, w_s, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
-              num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False):
+              num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False, one_pass=False):
     t, v = x8.shape[0], w8.shape[1]
-    return x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16)
+    return (x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16),
+            x8.new_empty(t, dtype=torch.float32))
 
 
 class _Fp8SoftcapCE(torch.autograd.Function):
@@ -98,23 +101,24 @@ class _Fp8SoftcapCE(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
                 mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, block_v: int,
                 num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-                tanh_sigmoid: bool) -> Tensor:
+                tanh_sigmoid: bool, one_pass: bool) -> Tensor:
         x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
-        loss, dz = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp_weights,
-                                      prefix_weight, prefix_targets, block_v, num_warps,
-                                      programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid)
-        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz)
+        loss, dz, scale = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets,
+                                             mtp_weights, prefix_weight, prefix_targets, block_v,
+                                             num_warps, programs_per_sm, fast_math, fma_exp_passes,
+                                             tanh_sigmoid, one_pass)
+        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz, scale)
         ctx.dtypes = (x.dtype, w.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        x8_col, w8_row, x_s, w_s, grad_s, dz = ctx.saved_tensors  # [T, D], [D, V], ..., [T, V]
-        # the logit gradient dz * g[:, None] quantised, [T, V] row- and column-major
-        g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float())
+        x8_col, w8_row, x_s, w_s, grad_s, dz, scale = ctx.saved_tensors  # ..., [T, V], [T]
+        # the logit gradient dz * (g * scale)[:, None] quantised, [T, V] row- and column-major
+        g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float() * scale)
         dx, dw = fp8_grads_from_quantised(g8_row, g8_col, grad_s, x8_col, w8_row, x_s, w_s,
                                           ctx.dtypes)
-        return dx, dw, *([None] * 13)
+        return dx, dw, *([None] * 14)
 
 
 def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
@@ -131,4 +135,4 @@ def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Te
     return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
                                prefix_targets, launch.block_v, launch.num_warps,
                                launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes,
-                               launch.tanh_sigmoid)
+                               launch.tanh_sigmoid, launch.one_pass)

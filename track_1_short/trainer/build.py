@@ -29,6 +29,7 @@ Call order: lifecycle.py: make_spec -> build_model -> prepare_model -> build_run
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -143,21 +144,23 @@ def _fp8_sites(model: GPT) -> tuple[str, ...]:
     return model.config.fp8.sites if isinstance(model.matmuls, Fp8Matmuls) else ()
 
 
-def _install_fused_loss(model: GPT, device: torch.device, enabled: bool) -> None:
+def _install_fused_loss(model: GPT, device: torch.device, enabled: bool, one_pass: bool = False) -> None:
     """The fused lm-head + softcapped CE kernel as the training forward's head loss, on CUDA: with
     bf16 GEMMs (kernels/softcap_ce.py), or with `lm_head` among the active fp8 sites its fp8
     GEMMs around the same kernel (kernels/softcap_ce_fp8.py, the lm head's static scale buffers
-    of GPT.matmuls)."""
+    of GPT.matmuls); one_pass: the kernel's one-pass schedule (TrainConfig.fused_loss_one_pass)."""
     if not (enabled and device.type == "cuda"):
         return
+    from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH  # Triton: CUDA hosts only
+    launch = dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass)
     if "lm_head" in _fp8_sites(model):
-        from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8  # Triton: CUDA hosts only
+        from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
         model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=model.matmuls.lm_head_x_scale,
                                             w_s=model.matmuls.lm_head_w_scale,
-                                            grad_s=model.matmuls.lm_head_grad_scale)
+                                            grad_s=model.matmuls.lm_head_grad_scale, launch=launch)
     else:
-        from track_1_short.kernels.softcap_ce import linear_softcap_ce  # Triton: CUDA hosts only
-        model.head_loss = linear_softcap_ce
+        from track_1_short.kernels.softcap_ce import linear_softcap_ce
+        model.head_loss = functools.partial(linear_softcap_ce, launch=launch)
 
 
 def compile_model(model: GPT, train: TrainConfig):
@@ -182,15 +185,18 @@ def describe_strategies(model: GPT) -> str:
         matmuls += f" (the MLP: {model.matmuls.mlp_label})"
     if model.head_loss is None:
         loss = "torch (model/loss.py)"
-    elif "lm_head" in sites:
-        loss = "fused Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py)"
     else:
-        loss = "fused Triton kernel (kernels/softcap_ce.py)"
+        loss = ("fused Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py)" if "lm_head" in sites
+                else "fused Triton kernel (kernels/softcap_ce.py)")
+        launch = getattr(model.head_loss, "keywords", {}).get("launch")
+        if launch is not None and launch.one_pass:
+            loss += " in one pass"
     return f"training forward: {matmuls} matmuls, {loss} loss"
 
 
 def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True,
-                       mlp_kernel: str = "torch", grad_scale: float = 1.0) -> GPT:
+                       mlp_kernel: str = "torch", grad_scale: float = 1.0,
+                       fused_loss_one_pass: bool = False) -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here).
     grad_scale: the training loss's gradient scale (1 / micro-steps; fp8's lm-head scale)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
@@ -200,7 +206,7 @@ def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True
     model.resolve_attention_backend(device)
     _install_fp8(model, device, grad_scale)
     _install_mlp_kernel(model, device, mlp_kernel)
-    _install_fused_loss(model, device, fused_loss)
+    _install_fused_loss(model, device, fused_loss, fused_loss_one_pass)
     return model
 
 
@@ -210,7 +216,8 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     lets tests run the whole graph path (capture, self-check, census, seal) without a GPU."""
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel,
-                       grad_scale=loss_scale(spec.micro_steps))  # 1.-3.
+                       grad_scale=loss_scale(spec.micro_steps),
+                       fused_loss_one_pass=cfg.train.fused_loss_one_pass)  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
