@@ -308,9 +308,7 @@ def test_fp8_head_backward_is_fp8_matmuls_backward_of_the_logit_gradient(launch)
     x, w, targets, mtp, pw, prefix, upstream, x_s, w_s = _fp8_case(seed=13)
     x8, w8 = quantise_operands(x, w, x_s, w_s)
     _, dz, scale = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets, mtp, pw, prefix,
-                                      launch.block_v, launch.num_warps, launch.programs_per_sm,
-                                      launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid,
-                                      launch.one_pass)
+                                      *launch.op_args())
     # the two-pass kernel writes the whole gradient (a unit row scale), the one-pass one does not
     assert torch.all(scale != 1.0) if launch.one_pass else torch.all(scale == 1.0)
     gz = dz * (upstream * scale)[:, None]  # [T, V] float32, what the backward quantised before the kernel

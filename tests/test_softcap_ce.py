@@ -94,6 +94,14 @@ def test_launch_config_validation(kwargs, match):
         LaunchConfig(**kwargs)
 
 
+def test_launch_config_travels_through_the_ops_arguments():
+    launch = LaunchConfig(block_v=512, num_warps=2, programs_per_sm=3, fast_math=False, fma_exp_passes=2,
+                          tanh_sigmoid=False, one_pass=True)
+    assert LaunchConfig.from_op_args(*launch.op_args()) == launch
+    with pytest.raises(ValueError):  # one argument short: refused, never a default in its place
+        LaunchConfig.from_op_args(*launch.op_args()[:-1])
+
+
 def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
     if softcap_ce.interpreted():
         pytest.skip("this process imported triton with TRITON_INTERPRET=1")

@@ -170,9 +170,7 @@ def test_gradient_quantisation_kernel_equals_the_reference_at_stage_c():
     scales = _scales()
     x8, w8 = quantise_operands(x, w, scales["x_s"], scales["w_s"])
     _, dz, _ = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), scales["x_s"], scales["w_s"], targets, mtp,
-                                  pw, prefix, DEFAULT_LAUNCH.block_v, DEFAULT_LAUNCH.num_warps,
-                                  DEFAULT_LAUNCH.programs_per_sm, DEFAULT_LAUNCH.fast_math,
-                                  DEFAULT_LAUNCH.fma_exp_passes, DEFAULT_LAUNCH.tanh_sigmoid)  # [T, V] bf16
+                                  pw, prefix, *DEFAULT_LAUNCH.op_args())  # [T, V] bf16
     del x, w, x8, w8
     g = torch.randn(dz.shape[0], device="cuda", generator=torch.Generator(device="cuda").manual_seed(8))
     grad_s = scales["grad_s"]

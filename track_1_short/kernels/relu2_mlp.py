@@ -27,6 +27,11 @@ ReLU^2 kept in quack's epilogue:
 The down projection stays bf16 (HEAD's is fp8 with delayed scales from per-SM amaxes in its up
 kernel's epilogue; here a current amax of post would read the [T, F] tensor twice more per layer,
 more than an fp8 GEMM saves).
+Speed (one H200, stage C, 8 micro-steps, docs/results/step_variants_h200_2026-12-02b_C.json):
+the fp8 up projection made the step slower, 642.9 against 611.2 ms with the bf16 one (1.052x;
+predicted 0.988x): quack's fp8 gemm_act took 67.8 ms per step against 28.4 ms for its bf16
+gemm_act (2.4x, with another MMA tile in its kernel name), plus 3.3 ms of amax and quantise.
+Why quack picks that kernel was not traced; no default uses this path.
 The quack calls sit inside our own torch custom ops (`track_1_short::relu2_up`,
 `track_1_short::relu2_up_fp8`, `track_1_short::relu2_down_dgrad`, fake-registered), so torch.compile(fullgraph=True) traces only
 the autograd.Function around them and never quack's Python; quack allocates with torch.empty

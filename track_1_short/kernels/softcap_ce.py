@@ -130,6 +130,7 @@ Legend: T tokens, D model dim, V vocab (padded), N MTP targets, P programs of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -185,6 +186,15 @@ class LaunchConfig:
         if self.tanh_sigmoid and not self.fast_math:
             raise ValueError("LaunchConfig.tanh_sigmoid=True needs fast_math=True: tanh.approx is an "
                              "approximate instruction (module docstring, \"Sigmoid as tanh\")")
+
+    def op_args(self) -> tuple:
+        """The fields in the order the custom ops take them (torch.library ops take no dataclass)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_op_args(cls, *args) -> "LaunchConfig":
+        """The inverse of op_args."""
+        return cls(**{f.name: a for f, a in zip(dataclasses.fields(cls), args, strict=True)})
 
 
 DEFAULT_LAUNCH = LaunchConfig()
@@ -453,11 +463,9 @@ def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Ten
     gradient; dz is written over the logits."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
     z = torch.mm(x, w)  # [T, V]; overwritten with dz by the kernel
-    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
-                                   LaunchConfig(block_v=block_v, num_warps=num_warps,
-                                                programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                                fma_exp_passes=fma_exp_passes,
-                                                tanh_sigmoid=tanh_sigmoid, one_pass=one_pass))
+    launch = LaunchConfig.from_op_args(block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes,
+                                       tanh_sigmoid, one_pass)
+    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets, launch)
     return loss, z, scale
 
 
@@ -502,6 +510,4 @@ def linear_softcap_ce(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor
     token ids, of which targets are the shift, are checked in NgramTable.slots_for, and prefix ids
     come from build_prefix_table."""
     return linear_softcap_ce_op(x, w, targets, mtp_weights, prefix_weight, prefix_targets,
-                                launch.block_v, launch.num_warps, launch.programs_per_sm,
-                                launch.fast_math, launch.fma_exp_passes, launch.tanh_sigmoid,
-                                launch.one_pass)[0]
+                                *launch.op_args())[0]

@@ -74,11 +74,9 @@ def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor,
     """(loss float32 [T], dz bf16 [T, V], row scale float32 [T]) from x8 e4m3 [T, D] row-major
     and w8 e4m3 [D, V] column-major (module docstring, forward); dloss/dz = scale[:, None] * dz."""
     z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V], overwritten with dz
-    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets,
-                                   LaunchConfig(block_v=block_v, num_warps=num_warps,
-                                                programs_per_sm=programs_per_sm, fast_math=fast_math,
-                                                fma_exp_passes=fma_exp_passes,
-                                                tanh_sigmoid=tanh_sigmoid, one_pass=one_pass))
+    launch = LaunchConfig.from_op_args(block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes,
+                                       tanh_sigmoid, one_pass)
+    loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets, launch)
     return loss, z, scale
 
 
@@ -133,6 +131,4 @@ def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Te
     check_fp8_dims("linear_softcap_ce_fp8", x, w, "T, D, V",
                    "keep lm_head out of Fp8Config.sites for these shapes")
     return _Fp8SoftcapCE.apply(x, w, x_s, w_s, grad_s, targets, mtp_weights, prefix_weight,
-                               prefix_targets, launch.block_v, launch.num_warps,
-                               launch.programs_per_sm, launch.fast_math, launch.fma_exp_passes,
-                               launch.tanh_sigmoid, launch.one_pass)
+                               prefix_targets, *launch.op_args())
