@@ -48,10 +48,9 @@ FULL_SHAPES = {"V": 50304, "D": 768}
 SMOKE_SHAPES = {"V": 300, "D": 32}
 SMOKE_TOKENS = {"A": 24, "C": 40}
 TOKEN_IDS = 50257
-# LaunchConfig fields of each sweep row
-SWEEP_FIELDS = ("block_v", "num_warps", "programs_per_sm", "fast_math", "fma_exp_passes", "tanh_sigmoid",
-                "one_pass")
-SWEEP = tuple(dict(zip(SWEEP_FIELDS, row)) for row in (
+# LaunchConfig.from_op_args of each sweep row: (block_v, num_warps, programs_per_sm, fast_math,
+# fma_exp_passes, tanh_sigmoid, one_pass)
+SWEEP = (
     (4096, 8, 8, True, 0, False, False), (4096, 8, 8, True, 1, False, False),
     (4096, 8, 8, True, 2, False, False), (4096, 8, 8, False, 1, False, False),
     (4096, 16, 4, True, 1, False, False), (4096, 16, 4, True, 2, False, False),
@@ -70,7 +69,7 @@ SWEEP = tuple(dict(zip(SWEEP_FIELDS, row)) for row in (
     (2048, 4, 8, True, 1, True, True), (2048, 4, 8, True, 2, True, True), (2048, 4, 16, True, 1, True, True),
     (4096, 8, 8, True, 1, True, True), (4096, 8, 4, True, 1, True, True), (4096, 16, 4, True, 1, True, True),
     (1024, 4, 8, True, 1, True, True), (1024, 2, 16, True, 1, True, True),
-))
+)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -207,10 +206,11 @@ def sweep(args: tuple, device: torch.device, a, kernels) -> list[dict]:
     x, w, targets, mtp, pw, prefix = args
     logits = torch.mm(x.detach(), w.detach())
     rows = []
-    for fields in SWEEP:
-        if a.sweep_tanh_only and not fields["tanh_sigmoid"]:
+    for row in SWEEP:
+        launch = kernels.LaunchConfig.from_op_args(*row)
+        if a.sweep_tanh_only and not launch.tanh_sigmoid:
             continue
-        launch = kernels.LaunchConfig(**fields)
+        fields = dataclasses.asdict(launch)
 
         def step(_, launch=launch):
             kernels.softcap_ce_rows_(logits, targets, mtp, pw, prefix, launch)

@@ -37,9 +37,13 @@ from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, linear_softcap_ce,
 from track_1_short.model.loss import softcap, training_loss  # noqa: E402
 
 V, D, TOKEN_IDS = 50304, 768, 50257
-ONE_PASS = dataclasses.replace(DEFAULT_LAUNCH, one_pass=True)
 # key: (T, MTP weights, prefix weight), stage A's and stage C's first steps (DESIGN section 3)
 KEYS = {"A": (16384, (1.0, 0.5, 0.25), 0.25), "C": (49152, (1.0,), 0.0)}
+
+
+def _fused_op(one_pass: bool):
+    """linear_softcap_ce with the default launch, or that launch in one pass."""
+    return functools.partial(linear_softcap_ce, launch=dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass))
 
 
 def _inputs(key: str, seed: int):
@@ -85,8 +89,7 @@ def test_parity_with_float32_reference_at_speedrun_shapes(key, one_pass):
     below) and the same with one pass."""
     args = _inputs(key, seed=1)
     loss_ref, _, dx_ref, dw_ref = _reference_float32(*args)
-    fused = _grads(functools.partial(linear_softcap_ce, launch=ONE_PASS if one_pass else DEFAULT_LAUNCH),
-                   *args)
+    fused = _grads(_fused_op(one_pass), *args)
     torch_path = _grads(_torch_path, *args)
     errs = {}
     for name, (loss, dx, dw) in (("fused", fused), ("torch", torch_path)):
@@ -164,7 +167,7 @@ def test_tanh_sigmoid_within_its_error_bound(fma, one_pass):
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_compiled_fullgraph_equals_eager(one_pass):
     args = _inputs("A", seed=3)
-    op = functools.partial(linear_softcap_ce, launch=ONE_PASS if one_pass else DEFAULT_LAUNCH)
+    op = _fused_op(one_pass)
     compiled = torch.compile(op, fullgraph=True, dynamic=False)
     eager, comp = _grads(op, *args), _grads(compiled, *args)
     assert torch.equal(eager[0], comp[0])
@@ -175,7 +178,7 @@ def test_compiled_fullgraph_equals_eager(one_pass):
 def test_cuda_graph_replay_on_new_inputs_equals_eager(one_pass):
     static = _inputs("A", seed=4)
     x, w = static[0].requires_grad_(), static[1].requires_grad_()
-    op = functools.partial(linear_softcap_ce, launch=ONE_PASS if one_pass else DEFAULT_LAUNCH)
+    op = _fused_op(one_pass)
 
     def step():
         loss = op(x, w, *static[2:])
@@ -198,7 +201,7 @@ def test_cuda_graph_replay_on_new_inputs_equals_eager(one_pass):
 def test_forward_and_backward_do_not_sync_the_host(one_pass):
     args = _inputs("A", seed=6)
     x, w = args[0].requires_grad_(), args[1].requires_grad_()
-    op = functools.partial(linear_softcap_ce, launch=ONE_PASS if one_pass else DEFAULT_LAUNCH)
+    op = _fused_op(one_pass)
     torch.autograd.grad(op(x, w, *args[2:]).sum(), (x, w))  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -97,16 +97,14 @@ class _Fp8SoftcapCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, x_s: Tensor, w_s: Tensor, grad_s: Tensor, targets: Tensor,
-                mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, block_v: int,
-                num_warps: int, programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-                tanh_sigmoid: bool, one_pass: bool) -> Tensor:
+                mtp_weights: Tensor, prefix_weight: Tensor, prefix_targets: Tensor, *launch_args) -> Tensor:
+        """launch_args: LaunchConfig.op_args()."""
         x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
         loss, dz, scale = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets,
-                                             mtp_weights, prefix_weight, prefix_targets, block_v,
-                                             num_warps, programs_per_sm, fast_math, fma_exp_passes,
-                                             tanh_sigmoid, one_pass)
+                                             mtp_weights, prefix_weight, prefix_targets, *launch_args)
         ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz, scale)
         ctx.dtypes = (x.dtype, w.dtype)
+        ctx.num_inputs = 9 + len(launch_args)
         return loss
 
     @staticmethod
@@ -116,7 +114,7 @@ class _Fp8SoftcapCE(torch.autograd.Function):
         g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float() * scale)
         dx, dw = fp8_grads_from_quantised(g8_row, g8_col, grad_s, x8_col, w8_row, x_s, w_s,
                                           ctx.dtypes)
-        return dx, dw, *([None] * 14)
+        return dx, dw, *([None] * (ctx.num_inputs - 2))
 
 
 def linear_softcap_ce_fp8(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
