@@ -231,6 +231,23 @@ def test_row_prefetch_on_one_rank_is_local():
         prefetch.slots_for(x)
 
 
+def test_row_prefetch_with_rows_in_the_step_only_takes_the_batch():
+    """rows_in_step: issue() peeks the next batch and computes no ids, slots_for() hands it over
+    and returns (None, None) (the step runner pulls the rows); refused on a sharded table."""
+    table = _store(_cfg())
+    prefetch = RowPrefetch(table, rows_in_step=True)
+    loader = LookaheadLoader(_Loader(0, 2))
+    assert prefetch.slots_for(loader.next_batch().inputs) == (None, None)  # nothing pending
+    x = prefetch.issue(loader).inputs
+    assert loader.next_batch().inputs is x
+    assert prefetch.slots_for(x) == (None, None)
+    assert not table.lookup.cache.any()  # nothing pulled
+    sharded = _store(_cfg())
+    sharded.shard(1, 2)
+    with pytest.raises(ValueError, match="one rank"):
+        RowPrefetch(sharded, rows_in_step=True)
+
+
 def test_bench_smoke(tmp_path):
     sys.path.insert(0, str(REPO))
     try:

@@ -178,6 +178,52 @@ def test_update_events_match_sparse_adam_and_addresses_stay():
     assert not table.grad_acc.any() and not table.touched.any()
 
 
+@pytest.mark.parametrize("trigram", [True, False])
+def test_rows_in_the_step_equal_the_pull_and_hold_around_it(trigram):
+    """pull_ writes the ids, the cache rows and the slots slots_for returns; accumulate_ plus a
+    counted hold(None, None) leaves the accumulator, the touched rows and the count of
+    hold(grad, ids) (the bigram half alone without trigrams), through an update event."""
+    cfg = _cfg(trigram=trigram)
+    inside, around = _store(cfg), _store(cfg)
+    init = torch.randn_like(inside.table)
+    inside.table.copy_(init)
+    around.table.copy_(init)
+    assert inside.rows_in_step
+    for step in range(4):
+        x = _tokens(16, seed=step)
+        ids_in = torch.full((32,), -1, dtype=torch.int64)
+        slots_in = torch.full((32,), -1, dtype=torch.int64)
+        inside.pull_(x, ids_in, slots_in)
+        ids = around.lookup.row_ids(x)
+        slots = around.slots_for(x, ids)
+        assert torch.equal(ids_in, ids) and torch.equal(slots_in, slots)
+        assert torch.equal(inside.lookup.cache[:32], around.lookup.cache[:32])
+        grad = torch.randn(32, 8, dtype=torch.float64)
+        inside.accumulate_(grad, ids_in)
+        inside.hold(None, None)
+        around.hold(grad, ids)
+        assert inside.num_pending == around.num_pending == step % 2 + 1
+        assert torch.equal(inside.grad_acc, around.grad_acc)
+        assert torch.equal(inside.touched, around.touched)
+        if step % 2:
+            inside.update_event(step)
+            around.update_event(step)
+            assert torch.equal(inside.table, around.table)
+    roles = dict(inside.baked_tensors())
+    assert set(roles) == {"ngram_store.table", "ngram_store.grad_acc", "ngram_store.touched"}
+    assert roles["ngram_store.grad_acc"] is inside.grad_acc
+    with pytest.raises(ValueError, match="both the sink gradient and its row ids"):
+        inside.hold(torch.zeros(32, 8, dtype=torch.float64), None)
+
+
+def test_rows_in_the_step_need_one_rank():
+    table = _store(_cfg(bigram_rows=96, trigram_rows=96))
+    table.shard(0, 2)
+    assert not table.rows_in_step
+    with pytest.raises(RuntimeError, match="one rank"):
+        table.pull_(_tokens(8), torch.zeros(16, dtype=torch.int64), torch.zeros(16, dtype=torch.int64))
+
+
 def test_hold_beyond_cycle_is_caught():
     table = _store(_cfg(), cycle=1)
     assert table.max_held == 1

@@ -18,7 +18,6 @@ Run: `PYTHONPATH=. .venv/bin/python -m pytest -m gpu tests/test_softcap_ce_fp8_g
 Legend: T tokens, D model dim, V vocab.
 """
 
-import dataclasses
 import functools
 import statistics
 
@@ -36,7 +35,7 @@ from tests.cuda_capture import warm_and_capture  # noqa: E402
 from tests.test_softcap_ce_gpu import KEYS, _inputs, rel_err  # noqa: E402
 from track_1_short.kernels.fp8_quantise import (QuantiseLaunch, quantise_both_layouts,  # noqa: E402
                                                 quantise_both_layouts_reference)
-from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, linear_softcap_ce  # noqa: E402
+from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, default_launch, linear_softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8, softcap_ce_fp8_fwd  # noqa: E402
 from track_1_short.model.fp8 import (E5M2, LM_HEAD_GRAD_SCALE, LM_HEAD_W_SCALE,  # noqa: E402
                                      LM_HEAD_X_SCALE, col_major, fp8_matmul, fp8_unavailable_reason,
@@ -92,7 +91,7 @@ def test_equals_the_torch_fp8_path_at_speedrun_shapes(key, one_pass):
     move an element across a rounding boundary of the 2-bit mantissa); the default launch and
     the one-pass kernel (kernels/softcap_ce.py, "One pass"), each timed."""
     args = (*_inputs(key, seed=1), _scales())
-    fused_fn = functools.partial(_fused, launch=dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass))
+    fused_fn = functools.partial(_fused, launch=default_launch(one_pass))
     fused, ref = _grads(fused_fn, *args), _grads(_torch_fp8, *args)
     errs = {"loss_max": float((fused[0] - ref[0]).abs().max() / ref[0].abs().max()),
             "dx_rel": rel_err(fused[1], ref[1].float()), "dw_rel": rel_err(fused[2], ref[2].float())}

@@ -18,7 +18,6 @@ Run: `PYTHONPATH=. .venv/bin/python -m pytest -m gpu tests/test_softcap_ce_gpu.p
 Legend: T tokens, D model dim, V vocab, N MTP targets.
 """
 
-import dataclasses
 import functools
 
 import pytest
@@ -32,7 +31,7 @@ pytestmark = [
 triton = pytest.importorskip("triton")
 
 from tests.cuda_capture import warm_and_capture  # noqa: E402
-from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, linear_softcap_ce,  # noqa: E402
+from track_1_short.kernels.softcap_ce import (default_launch, linear_softcap_ce,  # noqa: E402
                                               linear_softcap_ce_op)
 from track_1_short.model.loss import softcap, training_loss  # noqa: E402
 
@@ -42,8 +41,8 @@ KEYS = {"A": (16384, (1.0, 0.5, 0.25), 0.25), "C": (49152, (1.0,), 0.0)}
 
 
 def _fused_op(one_pass: bool):
-    """linear_softcap_ce with the default launch, or that launch in one pass."""
-    return functools.partial(linear_softcap_ce, launch=dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass))
+    """linear_softcap_ce with the default launch of either schedule (softcap_ce.default_launch)."""
+    return functools.partial(linear_softcap_ce, launch=default_launch(one_pass))
 
 
 def _inputs(key: str, seed: int):

@@ -166,6 +166,35 @@ class FakeValueEmbeds:
         self.grad_accum = torch.zeros(V, D)  # [V, D]
 
 
+class FakeNgramStore:
+    """NgramStore's rows-inside-the-step contract (pull_, accumulate_, baked_tensors) over the
+    fake lookup: the slots are a fixed function of the inputs (fake_slots), the held gradients
+    are summed per cache slot into `acc`."""
+
+    rows_in_step = True
+
+    def __init__(self):
+        self.acc = torch.zeros(CACHE_ROWS, D)  # [R, D]
+        self.pulls = 0
+
+    def pull_(self, inputs: Tensor, ids_out: Tensor, slots_out: Tensor) -> None:
+        self.pulls += 1
+        slots_out.copy_(fake_slots(inputs))
+        ids_out.copy_(slots_out)
+
+    def accumulate_(self, grad: Tensor, ids: Tensor) -> None:
+        self.acc.index_add_(0, ids, grad)
+
+    def baked_tensors(self):
+        yield "ngram_store.acc", self.acc
+
+
+def fake_slots(inputs: Tensor) -> Tensor:
+    """[T] tokens -> [2T] cache slots (the fake store's hash)."""
+    t = inputs.long()
+    return torch.cat([(3 * t + 1) % CACHE_ROWS, (5 * t + torch.roll(t, 1)) % CACHE_ROWS])
+
+
 class FakeOptimizer:
     def __init__(self, model: FakeGPT):
         anvil, adam = SimpleNamespace(optim="anvil"), SimpleNamespace(optim="adam")
@@ -211,9 +240,10 @@ def make_cfg(plan: StepPlan) -> FakeForwardConfig:
 
 
 class Harness:
-    def __init__(self, model_cls=FakeGPT, graphs=True, micro_steps=1, **config):
+    def __init__(self, model_cls=FakeGPT, graphs=True, micro_steps=1, store=None, **config):
         torch.manual_seed(0)
         self.model = model_cls()
+        self.store = store  # a FakeNgramStore: the rows inside the step
         self.value_embeds = FakeValueEmbeds()
         self.keys = step_keys(TINY)
         config = StepGraphsConfig(**{"mode": "on" if graphs else "off", "warm_iterations": 1,
@@ -223,16 +253,19 @@ class Harness:
             ngram_table=self.model.ngram, value_embeds=self.value_embeds,
             max_step_tokens=MAX_TOKENS, plans=TINY_PLANS, micro_steps=micro_steps,
             backend=(BakingBackend(self.model) if hasattr(model_cls, "in_graph")
-                     else RecordingGraphBackend()))
+                     else RecordingGraphBackend()), ngram_store=store)
 
     def step(self, step: int, seed: int | None = None, micro_step: int = 0, **batch_kw):
         """One train_step's runner calls; returns (loss value, the n-gram gradient as read right
         after the backward, as NgramStore.hold reads it)."""
         plan = TINY.plan(step)
         batch, slots = make_batch(plan, step * 100 + micro_step if seed is None else seed, **batch_kw)
+        if self.store is not None:
+            slots = None  # the runner pulls them
         loss = self.runner.forward(step, batch, slots, make_cfg(plan), micro_step=micro_step)
         value = loss.item()  # the graph's loss is overwritten by the next replay: read it now
-        return value, self.runner.backward().clone()
+        grad = self.runner.backward()
+        return value, None if grad is None else grad.clone()
 
     def warmup_and_seal(self):
         for step in warmup_visit_plan(TINY):
@@ -330,6 +363,58 @@ def test_ngram_gradient_is_the_graph_buffer_until_the_next_replay():
     assert h.runner.backward() is cs.ngram_grad and cs.ngram_grad.shape == (2 * 16, D)
     h.step(3, seed=7)  # the same key, another batch: the replay rewrites the buffer
     assert not torch.equal(cs.ngram_grad, kept)
+
+
+def _slot_sums(held: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """What the store's accumulator holds after these (slots [2T], sink gradient [2T, D])."""
+    acc = torch.zeros(CACHE_ROWS, D)
+    for slots, grad in held:
+        acc.index_add_(0, slots, grad)
+    return acc
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_rows_in_the_step_pull_and_hold_inside_the_runner(graphs):
+    """With the store given, the runner pulls the rows from the live inputs at the head of every
+    forward (inside the forward graph: the captured pull runs at each replay) and adds the sink
+    gradient into the store at the tail of every backward, once per micro-step; losses equal the
+    slots-from-outside path with the same slots, and the accumulator equals the sum of that path's
+    held gradients."""
+    store = FakeNgramStore()
+    inside, outside = Harness(graphs=graphs, store=store), Harness(graphs=graphs)
+    steps = [0, 1, 0, 6]  # key A captured, replayed, replayed; key B captured (graphs)
+    held = []
+    for i, step in enumerate(steps):
+        plan = TINY.plan(step)
+        batch, _ = make_batch(plan, 50 + i)
+        loss_in = inside.runner.forward(step, batch, None, make_cfg(plan)).item()
+        assert inside.runner.backward() is None  # already in the store
+        slots = fake_slots(batch.inputs)
+        loss_out = outside.runner.forward(step, batch, slots, make_cfg(plan)).item()
+        held.append((slots, outside.runner.backward().clone()))
+        assert loss_in == pytest.approx(loss_out, rel=1e-6), step
+    # the stand-in's capture runs the step once more than a real one (keys A and B), the
+    # warm iterations and the self-check's eager passes add nothing
+    extra = [held[0], held[3]] if graphs else []
+    torch.testing.assert_close(store.acc, _slot_sums(held + extra))
+    # pulls with graphs: key A's warm iteration, capture and replay; its replay and the
+    # self-check's two eager forwards; a replay; key B's warm iteration, capture and replay
+    assert store.pulls == (3 + 3 + 1 + 3 if graphs else len(steps))
+    roles = [role for role, _ in inside.runner.baked_tensors()]
+    assert ("ngram_store.acc" in roles) == graphs
+    assert "ngram_store.acc" not in [role for role, _ in outside.runner.baked_tensors()]
+
+
+def test_rows_mode_mismatch_is_an_error():
+    """Slots from outside to a runner that pulls them (or none to one that does not) would
+    silently read the wrong rows: both are errors naming the setting."""
+    plan = TINY.plan(0)
+    batch, slots = make_batch(plan, 1)
+    for graphs in (True, False):
+        with pytest.raises(StepGraphError, match="ngram_rows_in_step"):
+            Harness(graphs=graphs, store=FakeNgramStore()).runner.forward(0, batch, slots, make_cfg(plan))
+        with pytest.raises(StepGraphError, match="ngram_rows_in_step"):
+            Harness(graphs=graphs).runner.forward(0, batch, None, make_cfg(plan))
 
 
 def test_seal_missing_and_unchecked_keys_are_fatal():

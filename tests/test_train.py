@@ -106,6 +106,21 @@ def test_deterministic_run_trains_the_same_on_cpu(shard_dir, tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
+def test_ngram_rows_in_the_step_train_as_around_it(shard_dir, tmp_path, capsys):
+    """One rank: the n-gram rows pulled and held inside the step runner (the default) train
+    bitwise as the pull and hold around it, through update events (--max-steps 6: three), and the
+    run log says which ran."""
+    assert train(micro_config(shard_dir, tmp_path, "around", max_steps=6,
+                              ngram_rows_in_step=False)) == 0
+    assert "held around the step, eagerly (train.ngram_rows_in_step=false)" in capsys.readouterr().out
+    assert train(micro_config(shard_dir, tmp_path, "inside", max_steps=6)) == 0
+    assert "pulled and held inside the step" in capsys.readouterr().out
+    assert _losses(tmp_path / "inside") == _losses(tmp_path / "around")
+    for run_id in ("inside", "around"):
+        assert json.loads((tmp_path / run_id / "config.json").read_text())["train"][
+            "ngram_rows_in_step"] == (run_id == "inside")
+
+
 def test_profile_steps_write_a_trace_and_kernel_stats(shard_dir, tmp_path, capsys):
     """--profile-steps on CPU: the window's chrome trace and profile.json land in the run dir and
     the summary (kernel statistics are zero without a GPU); a window outside the run is refused

@@ -130,6 +130,10 @@ class TrainConfig:
     # that kernel in one pass over each logit row, the gradient written up to a row scale
     # (kernels/softcap_ce.py, "One pass"; off until timed: scripts/gpu/fp8_step.sh's fast_1pass)
     fused_loss_one_pass: bool = False
+    # on one rank, the n-gram row pull and the held gradient's sum run inside the step runner's
+    # forward and backward (captured into the step graphs; perf/ngram_store.py "Rows inside the
+    # step"); False: around them, eagerly, as with several ranks (where the pull is a collective)
+    ngram_rows_in_step: bool = True
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
     # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with

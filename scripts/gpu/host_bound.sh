@@ -15,22 +15,25 @@
 # graphs off re-traces against the warm inductor cache, ~20 s warm compile + ~20 s start-up; 22 steps
 # of one micro-step take ~1-2 s); ~150 s right after vs_record.sh on the same warm machine (the
 # same keys: same shapes and document capacities). Each stage has a time limit (ends by DEADLINE_S,
-# 585 s).
+# 585 s). OURS_SET="SECTION.FIELD=VALUE ..." passes --set items to every run (e.g.
+# OURS_SET="train.ngram_rows_in_step=false": the n-gram rows around the step, as before 2026-12-02).
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} MACHINE=${MACHINE:-h200}
 DATE=$(date -u +%F)
 STAGES=${STAGES:-A C}  # e.g. STAGES=C (bench/host_bound.py --stages follows)
+ours_set=()
+for item in ${OURS_SET:-}; do ours_set+=(--set "$item"); done
 for stage in $STAGES; do  # the first of two gets half of what is left, the last the rest
   limit=$(( $(left) - 15 ))
   [[ $stage == "${STAGES%% *}" && $STAGES == *" "* ]] && limit=$(( limit / 2 ))
   timeout -k 10 "$limit" python3 bench/step.py --stage "$stage" --steps 20 --graphs on,off --micro-steps 1 \
-      --data-dir "$DATA" --trace-dir "$L" --out "$OUT/host_bound_step_$stage.json" \
+      --data-dir "$DATA" --trace-dir "$L" --out "$OUT/host_bound_step_$stage.json" "${ours_set[@]}" \
       > "$L/host_bound_step_$stage.log" 2>&1
   echo "exit $? after $(elapsed) s (limit $limit s)" >> "$L/host_bound_step_$stage.log"
 done
 steps=()
 for stage in $STAGES; do steps+=(--step "$OUT/host_bound_step_$stage.json"); done
 python3 bench/host_bound.py "${steps[@]}" --stages "${STAGES// /,}" --machine "$MACHINE" --date "$DATE" \
-    --out-dir "$OUT" --script "STAGES='$STAGES' bash scripts/gpu/host_bound.sh" 2>&1 | tee "$L/host_bound.log"
+    --out-dir "$OUT" --script "STAGES='$STAGES' OURS_SET='${OURS_SET:-}' bash scripts/gpu/host_bound.sh" 2>&1 | tee "$L/host_bound.log"
 echo "host_bound.sh: done after $(elapsed) s" | tee -a "$L/host_bound.log"
 pack_outputs

@@ -198,6 +198,15 @@ class LaunchConfig:
 
 
 DEFAULT_LAUNCH = LaunchConfig()
+# The one-pass schedule's launch: the fastest of its sweep at both keys on the H200 (4096 / 8 / 8:
+# 2.53 ms at C, 0.85 at A, against 2.75 / 0.86 at the two-pass default's 2048 / 4 / 8;
+# docs/results/loss_kernel_onepass_h200_2026-12-02/sweep.log)
+ONE_PASS_LAUNCH = LaunchConfig(block_v=4096, num_warps=8, programs_per_sm=8, one_pass=True)
+
+
+def default_launch(one_pass: bool) -> LaunchConfig:
+    """The launch of each schedule (TrainConfig.fused_loss_one_pass picks one)."""
+    return ONE_PASS_LAUNCH if one_pass else DEFAULT_LAUNCH
 
 
 @triton.jit

@@ -30,6 +30,14 @@ CPU; gloo supports it for int64/float64/float32/bfloat16 with uneven splits in t
   before step s+1's slots_for, whatever phase A did earlier (tested across events in
   test_ngram_sharded.py).
 
+Rows inside the step (one rank, `rows_in_step`; TrainConfig.ngram_rows_in_step): with no
+collective to make, the row pull and the held gradient's sum are device work like any other of
+the micro-step, so the step runner runs them inside its forward and backward (captured into the
+step graphs, so a stage-A micro-step launches no eager n-gram kernel): `pull_(inputs, ids, slots)`
+at the head of the forward (row ids, the cache rows, the packed slots, written in place) and
+`accumulate_(grad, ids)` at the tail of the backward. The trainer then only counts the hold
+(`hold(None, None)`). Both are the same functions `slots_for` and `hold` run around the step.
+
 Held gradients (`hold(grad [2T, R], ids [2T])`, right after each backward): summed at once into
 a dense row accumulator `grad_acc` [ROWS, R] (index_add_) and the rows flagged in `touched`
 [ROWS], so the sink gradient is read before the next backward replay rewrites the graph's buffer
@@ -239,20 +247,56 @@ class NgramStore(nn.Module):
         return self.cycle * self.micro_steps
 
     @torch.no_grad()
-    def hold(self, ngram_grad: Tensor, ids: Tensor):
+    def hold(self, ngram_grad: Tensor | None, ids: Tensor | None):
         """Add one micro-step's sink gradient [2T, R] into the row accumulator at its row ids [2T]
-        and mark the rows touched (the bigram half [T] alone without trigrams). Reads ngram_grad
-        now (the caller may overwrite it after: the next backward replay does)."""
+        (accumulate_) and count it against the bound. Reads ngram_grad now (the caller may
+        overwrite it after: the next backward replay does). hold(None, None): the step runner
+        already added it inside its backward (rows_in_step); only counted here."""
         # An explicit raise (must survive python -O): an event of the plan was skipped.
         if self.pending >= self.max_held:
             raise RuntimeError(f"{self.pending + 1} held n-gram gradients > cycle {self.cycle} x "
                                f"micro_steps {self.micro_steps}; an update event was missed")
-        # the rows the gather read (the bigram half alone without trigrams; the reserved
-        # trigram row's lazy Adam step would be a no-op)
+        if (ngram_grad is None) != (ids is None):
+            raise ValueError("NgramStore.hold: give both the sink gradient and its row ids, or "
+                             "neither (the step runner added them inside the step)")
+        if ids is not None:
+            self.accumulate_(ngram_grad, ids)
+        self.pending += 1
+
+    # ---- rows inside the step (one rank: no collective, no host sync, capture-safe) ----
+
+    @property
+    def rows_in_step(self) -> bool:
+        """Whether the step runner may pull and hold the rows inside its forward and backward:
+        one rank (with several, the pull is a collective and stays around the step)."""
+        return self.world_size == 1
+
+    @torch.no_grad()
+    def pull_(self, inputs: Tensor, ids_out: Tensor, slots_out: Tensor) -> None:
+        """One rank: `inputs`' row ids into ids_out [2T], their rows into the lookup's cache[:2T],
+        the packed slots into slots_out [2T] (slots_for's work, written in place so that a step
+        graph can own the buffers). No host sync: the step runner captures it."""
+        if not self.rows_in_step:
+            raise RuntimeError(f"NgramStore.pull_ runs on one rank; with {self.world_size} the "
+                               f"rows come from their owners (slots_for, a collective)")
+        ids_out.copy_(self.lookup.row_ids(inputs))
+        slots_out.copy_(self.slots_for(inputs, ids_out))
+
+    @torch.no_grad()
+    def accumulate_(self, ngram_grad: Tensor, ids: Tensor) -> None:
+        """The device half of hold: the sink gradient [2T, R] added into grad_acc at its row ids
+        [2T], the rows marked touched (the bigram half [T] alone without trigrams: the reserved
+        trigram row's lazy Adam step would be a no-op). No host sync: the step runner captures it
+        at the tail of its backward with rows_in_step."""
         ids, ngram_grad = self.lookup.read_rows(ids, ngram_grad)
         self.grad_acc.index_add_(0, ids, ngram_grad.to(self.grad_acc.dtype))  # [ROWS, R]
         self.touched.index_fill_(0, ids, 1)  # [ROWS]
-        self.pending += 1
+
+    def baked_tensors(self):
+        """(role, tensor) of what pull_ and accumulate_ read and write besides the model's buffers:
+        a step graph that runs them bakes these addresses (StepGraphs.baked_tensors lists them)."""
+        for name in ("table", "grad_acc", "touched"):
+            yield f"ngram_store.{name}", getattr(self, name)
 
     def _to_owners(self, rows: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
         """Collective: [U] global rows + [U, R] grads -> this rank's touched rows (local indices,

@@ -19,6 +19,9 @@ Two phases (perf/ngram_store.py's docstring has the exchange details):
   ngram_slots are returned. The row payload therefore always reflects every update event before it.
 On one rank both are local (no collective); the interface and the returned (ids, slots) are the
 same. Every rank must call issue/slots_for in the same order (they are collectives when W > 1).
+With `rows_in_step` (one rank, TrainConfig.ngram_rows_in_step; NgramStore "Rows inside the
+step") the step runner pulls the rows inside its forward: issue() then only takes the next batch
+(its H2D copies on the side stream) and slots_for() hands it over and returns (None, None).
 
 What must stay stable: nothing here is baked into a graph (the cache is the lookup's); a pending
 request holds only ids. Ownership: the peeked batch's tensors are allocated on the side stream and
@@ -97,8 +100,13 @@ def _tensors(batch) -> list[Tensor]:
 class RowPrefetch:
     """Holds at most one pending phase-A request: the next micro-batch's ids (and their exchange)."""
 
-    def __init__(self, table: NgramStore):
+    def __init__(self, table: NgramStore, rows_in_step: bool = False):
+        """rows_in_step: the step runner pulls the rows (NgramStore.pull_, one rank only)."""
+        if rows_in_step and not table.rows_in_step:
+            raise ValueError(f"RowPrefetch(rows_in_step=True) needs one rank; the table is sharded "
+                             f"over {table.world_size}")
         self.table = table
+        self.rows_in_step = rows_in_step
         self.stream = None  # CUDA side stream of phase A (made on first CUDA use)
         self._pending: tuple[object, Tensor, RowRequest | None] | None = None  # (batch, ids [2T], req)
 
@@ -124,25 +132,31 @@ class RowPrefetch:
             raise RuntimeError("RowPrefetch.issue: the previous request was never used by slots_for")
         with self._side():
             batch = loader.peek()  # H2D copies on the side stream
+            if self.rows_in_step:  # the runner computes the ids inside its forward
+                self._pending = (batch, None, None)
+                return batch
             ids = self.table.lookup.row_ids(batch.inputs)  # [2T]
             self._pending = (batch, ids, self.table.request_rows(ids))
         return batch
 
-    def _hand_over(self, batch, ids: Tensor, request: RowRequest | None) -> None:
+    def _hand_over(self, batch, ids: Tensor | None, request: RowRequest | None) -> None:
         """Side-stream tensors become usable (and safely freeable) on the compute stream."""
         if self.stream is None:
             return
-        current = torch.cuda.current_stream(ids.device)
+        current = torch.cuda.current_stream(batch.inputs.device)
         current.wait_stream(self.stream)
         extra = [] if request is None else [request.wanted, request.inverse, request.served]
-        for t in _tensors(batch) + [ids] + extra:
+        for t in _tensors(batch) + ([] if ids is None else [ids]) + extra:
             t.record_stream(current)
 
-    def slots_for(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+    def slots_for(self, inputs: Tensor) -> tuple[Tensor, Tensor] | tuple[None, None]:
         """Phase B (collective when W > 1): fill the cache with `inputs`' rows; returns (ids [2T],
-        ngram_slots [2T]). Uses the pending request when it was issued for this very tensor."""
+        ngram_slots [2T]). Uses the pending request when it was issued for this very tensor.
+        rows_in_step: hands the batch over only and returns (None, None) (the runner pulls)."""
         pending, self._pending = self._pending, None
         if pending is None:
+            if self.rows_in_step:
+                return None, None
             ids = self.table.lookup.row_ids(inputs)
             return ids, self.table.slots_for(inputs, ids)
         batch, ids, request = pending
@@ -150,6 +164,8 @@ class RowPrefetch:
             raise RuntimeError("RowPrefetch.slots_for: a request is pending for another batch; "
                                "issue() must peek the batch the next slots_for uses")
         self._hand_over(batch, ids, request)
+        if self.rows_in_step:
+            return None, None
         return ids, self.table.slots_for(inputs, ids, request)
 
     def reset(self) -> None:

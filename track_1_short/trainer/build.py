@@ -22,14 +22,15 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
      per cadence, perf/cuda_graphs/optimizer_graphs.py) with --graphs on, on one rank;
   6. compile: wraps the model as it now is (every later change would be a recompile);
   7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
-     to the optimizer's parameters; the row prefetch wraps the sharded table.
+     to the optimizer's parameters; the row prefetch wraps the sharded table. On one rank (with
+     TrainConfig.ngram_rows_in_step) the runner also pulls and holds the n-gram rows inside its
+     forward and backward (ngram_rows_in_step below), so both get the store.
 
 Call order: lifecycle.py: make_spec -> build_model -> prepare_model -> build_run (data, metrics).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -151,8 +152,8 @@ def _install_fused_loss(model: GPT, device: torch.device, enabled: bool, one_pas
     of GPT.matmuls); one_pass: the kernel's one-pass schedule (TrainConfig.fused_loss_one_pass)."""
     if not (enabled and device.type == "cuda"):
         return
-    from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH  # Triton: CUDA hosts only
-    launch = dataclasses.replace(DEFAULT_LAUNCH, one_pass=one_pass)
+    from track_1_short.kernels.softcap_ce import default_launch  # Triton: CUDA hosts only
+    launch = default_launch(one_pass)
     if "lm_head" in _fp8_sites(model):
         from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
         model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=model.matmuls.lm_head_x_scale,
@@ -233,14 +234,31 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
         plans=spec.plans, untie_step=spec.untie_step, backend=graph_backend, device=device)
     forward_fn, eval_fn = compile_model(model, cfg.train)  # 6.
     keys = step_keys(spec.schedule, num_steps=spec.num_steps)  # 7.
+    in_step = ngram_rows_in_step(cfg.train, ngram)
     runner = make_step_runner(cfg.graphs, model=forward_fn, optimizer=optimizer, step_keys=keys,
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
                               max_step_tokens=max(k.tokens for k in keys), plans=spec.plans,
-                              micro_steps=spec.micro_steps,
-                              device=device, backend=graph_backend)
+                              micro_steps=spec.micro_steps, device=device, backend=graph_backend,
+                              ngram_store=ngram if in_step else None)
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
-                     runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram), prefix_table=prefix)
+                     runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram, rows_in_step=in_step),
+                     prefix_table=prefix)
+
+
+def ngram_rows_in_step(train: TrainConfig, ngram: NgramStore) -> bool:
+    """Whether the step runner pulls and holds the n-gram rows (TrainConfig.ngram_rows_in_step on
+    one rank; with several the pull is a collective and stays around the step)."""
+    return train.ngram_rows_in_step and ngram.rows_in_step
+
+
+def describe_ngram_rows(parts: StepParts) -> str:
+    """One log line: where the n-gram rows are pulled and held."""
+    if parts.prefetch.rows_in_step:
+        return "n-gram rows: pulled and held inside the step (one rank; in the step graphs with --graphs on)"
+    why = (f"{parts.ngram.world_size} ranks: the pull is a collective" if not parts.ngram.rows_in_step
+           else "train.ngram_rows_in_step=false")
+    return f"n-gram rows: pulled and held around the step, eagerly ({why})"
 
 
 def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:

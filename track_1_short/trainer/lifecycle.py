@@ -34,7 +34,8 @@ from track_1_short.perf import compile_cache
 from track_1_short.perf.compile_cache import CompileCacheError
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.trainer import checkpoint
-from track_1_short.trainer.build import build_run, describe_strategies, make_loader, make_spec
+from track_1_short.trainer.build import (build_run, describe_ngram_rows, describe_strategies, make_loader,
+                                         make_spec)
 from track_1_short.trainer.checkpoint import CheckpointError
 from track_1_short.trainer.phases import timed_run, validate, warmup_and_capture
 from track_1_short.trainer.preflight import (Preflight, PreflightError, check_device,
@@ -111,6 +112,7 @@ def prepare_run(cfg: RunConfig, ctx: DistributedContext, pre: Preflight, stop: G
         if cache_log:
             print(f"compile cache: {cache_log}", flush=True)
         print(describe_strategies(run.parts.model), flush=True)
+        print(describe_ngram_rows(run.parts), flush=True)
         print(f"run dir {pre.run_dir}; attention backend {run.parts.model.attention_backend}; "
               f"{ctx.world_size} rank(s) x {run.spec.micro_steps} micro-step(s); validation "
               f"{num_val_slices(run.val_tokens.size, cfg.data.val_tokens_per_batch)} batch(es) of "

@@ -6,7 +6,9 @@ in the step runner (StepGraphs or EagerStep, same interface).
 
 Call order per step (train_step): YaRN window (moves only where ws_long changes) -> per micro-step:
 loader batch -> n-gram slots -> runner.forward -> next micro-batch's row-id exchange (hidden
-under the backward) -> runner.backward -> hold the n-gram gradient -> optimizer.step (ANVIL
+under the backward) -> runner.backward -> hold the n-gram gradient (on one rank the runner pulls
+and holds the rows itself, inside the step graphs: the slots and the gradient are then None and
+the hold only counts; perf/ngram_store.py "Rows inside the step") -> optimizer.step (ANVIL
 every step, Adam on the plan's adam_step steps) -> embed/head untie (once) -> n-gram update event
 (the plan's ngram_event steps). Every cadence is the step's StepPlan's (schedule.py).
 The timer marks the end of each phase (timing.StepTimer: per micro-step rows, forward, backward,
@@ -36,7 +38,8 @@ def train_step(spec: RunSpec, parts: StepParts, step: int, loader: LookaheadLoad
     total = torch.zeros((), device=spec.ctx.device)
     for micro in range(spec.micro_steps):
         batch = loader.next_batch()
-        # n-gram rows of this micro-batch from their owners (after the last update event)
+        # n-gram rows of this micro-batch from their owners (after the last update event); None,
+        # None when the runner pulls them inside the step
         ids, slots = parts.prefetch.slots_for(batch.inputs)  # [2T] table rows, [2T] cache slots
         timer.mark(step, "rows")
         loss = runner.forward(step, batch, slots, fwd_cfg, micro_step=micro)

@@ -111,6 +111,9 @@ def translate_capture_errors(key: object, phase: str, graph: str = "step graph",
             f"Original error: {error}") from error
 
 
+AfterBackward = Callable[[tuple[Tensor | None, ...]], None]  # in-place work on a backward's gradients
+
+
 @dataclass(slots=True)
 class CapturedPair:
     loss: Tensor  # forward output (graph memory: every forward replay overwrites it)
@@ -129,8 +132,11 @@ class GraphBackend(Protocol):
     def sync_debug(self) -> Any: ...
 
     def capture_pair(self, forward: Any, backward: Any, loss_fn: Callable[[], Tensor],
-                     leaves: Sequence[Tensor], *, pool: Any, stream: Any,
-                     key: object) -> CapturedPair: ...
+                     leaves: Sequence[Tensor], *, pool: Any, stream: Any, key: object,
+                     after_backward: AfterBackward | None = None) -> CapturedPair:
+        """The forward graph runs loss_fn, the backward graph loss_grads of its loss w.r.t. the
+        leaves, then after_backward(grads) when given (in-place work on the gradients: the
+        n-gram rows' sum with rows in the step)."""
 
     def capture_call(self, graph: Any, fn: Callable[[], object], *, pool: Any, stream: Any,
                      key: object, graph_kind: str) -> int | None: ...
@@ -169,7 +175,8 @@ class CudaGraphBackend:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
 
-    def capture_pair(self, forward, backward, loss_fn, leaves, *, pool, stream, key):
+    def capture_pair(self, forward, backward, loss_fn, leaves, *, pool, stream, key,
+                     after_backward=None):
         torch.cuda.synchronize()
         # torch.cuda.graph empties the cache on entry too; doing it first makes the delta below
         # the pool's growth rather than the release of the warm iterations' cached blocks.
@@ -182,6 +189,8 @@ class CudaGraphBackend:
         with translate_capture_errors(key, "backward"), torch.cuda.graph(
                 backward, pool=pool, stream=stream, capture_error_mode="thread_local"):
             grads = loss_grads(loss, leaves)
+            if after_backward is not None:
+                after_backward(grads)
         torch.cuda.synchronize()
         return CapturedPair(loss, grads, torch.cuda.memory_reserved() - reserved_before)
 
@@ -220,8 +229,8 @@ class FakeGraph:
 class RecordingGraphBackend:
     """CPU stand-in with CUDA-graph output semantics (see the module docstring). One difference:
     its "capture" executes the step once (a real capture only records), so in-place side effects
-    of the backward (value_embeds' grad_accum) happen once more than on the GPU; the post-warmup
-    reset clears them in both cases."""
+    of the backward (value_embeds' grad_accum, after_backward's n-gram sum) happen once more than
+    on the GPU; the post-warmup reset clears them in both cases."""
 
     def new_graph(self) -> FakeGraph:
         return FakeGraph()
@@ -248,11 +257,13 @@ class RecordingGraphBackend:
         return nullcontext()
 
     def capture_pair(self, forward: FakeGraph, backward: FakeGraph, loss_fn, leaves, *, pool,
-                     stream, key):
+                     stream, key, after_backward=None):
         with translate_capture_errors(key, "forward"):
             loss = loss_fn()
         with translate_capture_errors(key, "backward"):
             grads = loss_grads(loss, leaves)
+            if after_backward is not None:
+                after_backward(grads)
         # The autograd graph of the latest forward replay, consumed by the next backward replay
         # (a real backward graph replays kernels that read the forward's saved pool buffers).
         live: list[Tensor] = []
@@ -271,6 +282,8 @@ class RecordingGraphBackend:
                     raise StepGraphError(f"{key}: gradient presence changed since capture")
                 if out is not None:
                     out.copy_(fresh)
+            if after_backward is not None:
+                after_backward(grads)
 
         forward._replay, backward._replay = replay_forward, replay_backward
         return CapturedPair(loss, grads, None)

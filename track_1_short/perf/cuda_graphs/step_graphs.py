@@ -12,11 +12,17 @@ specializes on):
     forward   step_runner.training_loss(): the model's per-token loss, summed
     backward  capture_support.loss_grads(): gradients w.r.t. every parameter and the n-gram sink
 Between the two replays the host runs the eager row-pull id exchange (perf/row_prefetch.py), so the
-all_to_all hides under the backward exactly as it does without graphs.
+all_to_all hides under the backward exactly as it does without graphs. On one rank, where the row
+pull is no collective (`ngram_store` given: NgramStore "Rows inside the step"), the forward graph
+starts with the pull (row ids, cache rows and slots from the static inputs, NgramStore.pull_) and
+the backward graph ends with the held gradient's sum (NgramStore.accumulate_), so a micro-step
+runs no eager n-gram kernel.
 
 What must stay address-stable (a replay reads and writes the addresses the capture saw):
 - the per-key StaticInputs owned here: inputs, targets, cum_seqlens, n-gram cache slots, MTP and
-  prefix weights; each step copies its batch into them before the forward replay
+  prefix weights; each step copies its batch into them before the forward replay (the slots and
+  the row ids: written by the forward graph itself with rows in the step)
+- with rows in the step, the store's table, row accumulator and touched flags (NgramStore.baked_tensors)
 - every parameter's .data and every model buffer (fp8 scales, YaRN tables, n-gram row
   cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks, the model's
   lookup), value_embeds' gradient buffer (ValueEmbedPull.grad_accum), and the persistent gradient
@@ -81,13 +87,15 @@ from track_1_short.perf.cuda_graphs.eager_step import EagerStep
 from track_1_short.perf.cuda_graphs.grad_handoff import GradHandoff, check_ngram_grad
 from track_1_short.perf.cuda_graphs.graphs_config import (
     GRAPH_MODES, SELF_CHECK_ABS, SELF_CHECK_GRAD_REL, SELF_CHECK_REL, StepGraphsConfig)
-from track_1_short.perf.cuda_graphs.step_runner import StepRunner, check_key, live_key, training_loss
+from track_1_short.perf.cuda_graphs.step_runner import (
+    StepRunner, check_key, check_rows_mode, live_key, training_loss)
 
 if TYPE_CHECKING:
     from track_1_short.data import Batch
     from track_1_short.model.gpt import ForwardScheduleConfig
     from track_1_short.ngram_table import NgramTable
     from track_1_short.optim.anvil import AnvilAndAdam
+    from track_1_short.perf.ngram_store import NgramStore
     from track_1_short.perf.value_embed_pull import ValueEmbedPull
     from track_1_short.schedule import StepPlan
 
@@ -109,14 +117,26 @@ class StaticInputs:
     ngram_slots: Tensor  # [2T] indices into the n-gram row cache
     mtp_weights: Tensor  # [n]
     prefix_weight: Tensor  # 0-d
+    ngram_ids: Tensor  # int64 [2T] table rows (written by the forward graph with rows in the step)
 
     def buffers(self) -> tuple[Tensor, ...]:
+        """The buffers step_inputs fills, in its order."""
         return (self.inputs, self.targets, self.cum_seqlens, self.ngram_slots, self.mtp_weights,
                 self.prefix_weight)
 
+    @classmethod
+    def like(cls, batch: Batch, ngram_slots: Tensor | None, cfg: ForwardScheduleConfig) -> "StaticInputs":
+        """Fresh buffers shaped as this step's tensors (the slots and ids [2T] int64 whether or
+        not the slots were given)."""
+        tensors = [None if t is None else t.clone() for t in step_inputs(batch, ngram_slots, cfg)]
+        rows = 2 * batch.inputs.numel()
+        slots = tensors[3] if tensors[3] is not None else batch.inputs.new_zeros(rows, dtype=torch.int64)
+        tensors[3] = slots
+        return cls(*tensors, ngram_ids=torch.zeros_like(slots))
 
-def step_inputs(batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig):
-    """This step's tensors, in StaticInputs order."""
+
+def step_inputs(batch: Batch, ngram_slots: Tensor | None, cfg: ForwardScheduleConfig):
+    """This step's tensors, in StaticInputs.buffers() order (ngram_slots None: rows in the step)."""
     return (batch.inputs, batch.targets, batch.cum_seqlens, ngram_slots, cfg.mtp_weights,
             cfg.prefix_weight)
 
@@ -172,7 +192,13 @@ class StepGraphs:
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, max_step_tokens: int, *,
                  plans: Sequence[StepPlan], micro_steps: int,
                  config: StepGraphsConfig | None = None, backend: GraphBackend | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, ngram_store: NgramStore | None = None):
+        """ngram_store: the rows inside the step (one rank; NgramStore.rows_in_step): forward() then
+        takes ngram_slots None and the graphs pull and hold the rows."""
+        if ngram_store is not None and not ngram_store.rows_in_step:
+            raise StepGraphError(f"rows inside the step need one rank; the n-gram store is sharded "
+                                 f"over {ngram_store.world_size}")
+        self.ngram_store = ngram_store
         self.model = model  # the compiled GPT
         self.config = config or StepGraphsConfig()
         self.params = list(optimizer.param_cfgs)
@@ -202,12 +228,21 @@ class StepGraphs:
 
     def _loss(self, cs: CapturedStep) -> Tensor:
         s = cs.static
+        if self.ngram_store is not None:  # rows in the step: the forward graph pulls them
+            self.ngram_store.pull_(s.inputs, s.ngram_ids, s.ngram_slots)
         return training_loss(self.model, s.inputs, s.targets, s.cum_seqlens, s.ngram_slots, cs.cfg,
                              cs.ngram_sink, self.value_embeds.grad_accum, self.handoff.loss_scale)
 
     def _leaves(self, cs: CapturedStep) -> list[Tensor]:
         """What the captured backward differentiates: every parameter, then the n-gram sink."""
         return self.params + [cs.ngram_sink]
+
+    def _after_backward(self, cs: CapturedStep):
+        """What the backward graph runs after the gradients: with rows in the step, the sink
+        gradient (the last leaf's) added into the store's accumulator; else nothing."""
+        if self.ngram_store is None:
+            return None
+        return lambda grads: self.ngram_store.accumulate_(grads[-1], cs.static.ngram_ids)
 
     def _replay(self, graph: Any, timed: bool) -> float | None:
         if not timed:
@@ -221,12 +256,14 @@ class StepGraphs:
 
     # ---- per step ----
 
-    def forward(self, step: int, batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig, *,
-                micro_step: int = 0) -> Tensor:
+    def forward(self, step: int, batch: Batch, ngram_slots: Tensor | None, cfg: ForwardScheduleConfig,
+                *, micro_step: int = 0) -> Tensor:
         """Copy this step's batch into its key's buffers and replay the forward (capturing it first
         on the key's first warmup visit). Returns the 0-d loss: GRAPH MEMORY, overwritten by the
-        next forward replay of this key; .item() or clone() it before then to keep it."""
+        next forward replay of this key; .item() or clone() it before then to keep it.
+        ngram_slots None exactly when the rows are pulled in the step (ngram_store given)."""
         key = check_key(step, batch, cfg, self.step_keys)
+        check_rows_mode(step, ngram_slots, self.ngram_store)
         cs = self.captured.get(key)
         fresh = cs is None
         if fresh:
@@ -236,7 +273,8 @@ class StepGraphs:
             cs = self._capture(key, batch, ngram_slots, cfg)
         self._check_frozen_values(step, cs, cfg)
         for dst, src in zip(cs.static.buffers(), step_inputs(batch, ngram_slots, cfg)):
-            dst.copy_(src)
+            if src is not None:  # None: the slots, which the forward graph writes itself
+                dst.copy_(src)
         # Not on the capture visit: the buffers would still hold the batch the capture recorded with.
         first_check = not fresh and key in self.unchecked
         forward_ms = self._replay(cs.forward, timed=first_check)
@@ -254,10 +292,11 @@ class StepGraphs:
             raise StepGraphError(f"step {step}, key {cs.key}: YaRN attention scales (yarn, "
                                  f"yarn_paired_head, yarn_wide) {scales} != captured {cs.attn_scales}")
 
-    def backward(self) -> Tensor:
+    def backward(self) -> Tensor | None:
         """Replay the backward and set p.grad (GradHandoff). Returns the n-gram sink gradient
-        [2T, D]: GRAPH MEMORY, overwritten by the next backward replay of this key; keep it past
-        this step only through hold_ngram_grad()."""
+        [2T, D]: GRAPH MEMORY, overwritten by the next backward replay of this key (the caller's
+        NgramStore.hold reads it at once); None with rows in the step (the graph added it into
+        the store's accumulator)."""
         flight = self.in_flight
         if flight is None:
             raise StepGraphError("backward() without a preceding forward()")
@@ -271,7 +310,7 @@ class StepGraphs:
             self._check_grads(flight.cs, flight.step)
             self.unchecked.discard(flight.cs.key)
         self.handoff.hand_over(flight.step, flight.micro_step, flight.cs.grads)
-        return flight.cs.ngram_grad
+        return None if self.ngram_store is not None else flight.cs.ngram_grad
 
     # ---- capture and checks (warmup only) ----
 
@@ -280,7 +319,7 @@ class StepGraphs:
         if key.tokens > self.max_step_tokens:
             raise StepGraphError(f"key {key}: {key.tokens} tokens > max_step_tokens "
                                  f"{self.max_step_tokens} (the n-gram sink is sized from it)")
-        static = StaticInputs(*(t.clone() for t in step_inputs(batch, ngram_slots, cfg)))
+        static = StaticInputs.like(batch, ngram_slots, cfg)
         cs = CapturedStep(
             key=key, static=static,
             cfg=dataclasses.replace(cfg, mtp_weights=static.mtp_weights,
@@ -296,7 +335,8 @@ class StepGraphs:
                            self.config.warm_iterations, self.config.sync_debug_warmup)
         with paused_gc():
             pair = self.backend.capture_pair(cs.forward, cs.backward, lambda: self._loss(cs), leaves,
-                                             pool=self.pool, stream=self.stream, key=key)
+                                             pool=self.pool, stream=self.stream, key=key,
+                                             after_backward=self._after_backward(cs))
         cs.loss = pair.loss
         # value_embeds' table gets None: its gradient goes to ValueEmbedPull.grad_accum instead.
         cs.grads = [(p, g) for p, g in zip(self.params, pair.grads) if g is not None]
@@ -381,6 +421,8 @@ class StepGraphs:
             yield f"ngram_table.sinks[{tokens}]", sink
         for p, acc in self.handoff.accumulators.items():
             yield f"grad_accumulator[{self.param_names.get(p, '?')}]", acc
+        if self.ngram_store is not None:
+            yield from self.ngram_store.baked_tensors()
         for cs in self.captured.values():
             tag = "step_graph" + str(tuple(cs.key))
             for f in dataclasses.fields(cs.static):
@@ -401,11 +443,14 @@ def make_step_runner(config: StepGraphsConfig, *, model: nn.Module, optimizer: A
                      step_keys: list[StepGraphKey], ngram_table: NgramTable,
                      value_embeds: ValueEmbedPull, max_step_tokens: int, plans: Sequence[StepPlan],
                      micro_steps: int, device: torch.device | None = None,
-                     backend: GraphBackend | None = None) -> StepRunner:
+                     backend: GraphBackend | None = None,
+                     ngram_store: NgramStore | None = None) -> StepRunner:
     """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `plans`: the schedule's plan of
-    every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps)."""
+    every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps);
+    `ngram_store`: the n-gram rows pulled and held inside the step (one rank), else None."""
     if config.mode == "off":
         return EagerStep(model, optimizer, step_keys, ngram_table, value_embeds, plans=plans,
-                         micro_steps=micro_steps)
+                         micro_steps=micro_steps, ngram_store=ngram_store)
     return StepGraphs(model, optimizer, step_keys, ngram_table, value_embeds, max_step_tokens,
-                      plans=plans, micro_steps=micro_steps, config=config, backend=backend, device=device)
+                      plans=plans, micro_steps=micro_steps, config=config, backend=backend, device=device,
+                      ngram_store=ngram_store)

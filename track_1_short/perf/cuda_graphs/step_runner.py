@@ -13,6 +13,10 @@ Call order per micro-step (train_step, warmup and timed alike):
     <row_prefetch id exchange for the next micro-batch>
     ngram_grad = runner.backward()                                   # sets p.grad
     ngram.hold(ngram_grad, ids)                                      # read before the next replay
+With the n-gram rows inside the step (a runner built with the NgramStore: one rank), ngram_slots
+and the returned gradient are None: the runner pulls the rows at the head of its forward and adds
+the gradient into the store at the tail of its backward (NgramStore.pull_ / accumulate_), and
+ngram.hold(None, None) only counts it.
     optimizer phases (read p.grad before the next backward)
 After warmup: post-warmup reset, census of runner.baked_tensors(), runner.seal().
 """
@@ -36,12 +40,14 @@ if TYPE_CHECKING:
 class StepRunner(Protocol):
     """What train_step, the census and the run report call on a step runner."""
 
-    def forward(self, step: int, batch: Batch, ngram_slots: Tensor, cfg: ForwardScheduleConfig, *,
-                micro_step: int = 0) -> Tensor:
-        """The micro-step's 0-d loss (StepGraphs: graph memory, overwritten by the next replay)."""
+    def forward(self, step: int, batch: Batch, ngram_slots: Tensor | None, cfg: ForwardScheduleConfig,
+                *, micro_step: int = 0) -> Tensor:
+        """The micro-step's 0-d loss (StepGraphs: graph memory, overwritten by the next replay).
+        ngram_slots None: the runner pulls the rows (rows in the step)."""
 
-    def backward(self) -> Tensor:
-        """Gradients of the last forward; sets p.grad. Returns the n-gram sink gradient [2T, D]."""
+    def backward(self) -> Tensor | None:
+        """Gradients of the last forward; sets p.grad. Returns the n-gram sink gradient [2T, D]
+        (None with rows in the step: already added into the store's accumulator)."""
 
     def seal(self) -> None:
         """After warmup: from here on a step without a checked capture is fatal."""
@@ -75,6 +81,15 @@ def check_key(step: int, batch: Batch, cfg: ForwardScheduleConfig,
         raise StepGraphError(f"step {step}: live key {key} != schedule key {step_keys[step]}; the "
                              f"batch or forward config does not match the schedule")
     return key
+
+
+def check_rows_mode(step: int, ngram_slots: Tensor | None, ngram_store: object | None) -> None:
+    """Slots come from the caller exactly when the runner does not pull the rows itself."""
+    if (ngram_slots is None) != (ngram_store is not None):
+        have = "no n-gram slots" if ngram_slots is None else "n-gram slots"
+        raise StepGraphError(f"step {step}: forward() got {have}, but the runner was built "
+                             f"{'with' if ngram_store is not None else 'without'} the rows inside "
+                             f"the step (TrainConfig.ngram_rows_in_step, RowPrefetch(rows_in_step))")
 
 
 def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor,
