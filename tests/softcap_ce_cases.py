@@ -9,7 +9,9 @@ and bf16, the softmax exp on the MUFU or as the FMA polynomial (LaunchConfig.fma
 2; the sigmoid as tanh; one pass with its row scale); torch.library.opcheck; torch.compile(fullgraph=True) equal to eager. The fp8 lm head
 (kernels/softcap_ce_fp8.py): against model/fp8.py's slow references, its fullgraph trace, and its
 backward (the gradient quantised by kernels/fp8_quantise.py) bitwise model/fp8.fp8_matmul_grads
-of the logit gradient. Each case prints its measured errors (run with -s to see them). The
+of the logit gradient; the recompute schedule (kernels/fp8_logit_grad.py): the forward leaves the
+logits and equals one pass's loss and row scale, the recomputed e5m2 gradient is the float64
+gradient rounded (tails, zero weights, repeated target columns), opcheck. Each case prints its measured errors (run with -s to see them). The
 interpreter runs the plain-math variant (fast_math's inline PTX cannot run there).
 
 Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
@@ -47,6 +49,11 @@ SMALL_TANH = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, fma_exp_p
 # one pass: the gradient written up to a row scale (its exp on the MUFU; FMA with fma_exp_passes=2)
 SMALL_ONE_PASS = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, one_pass=True)
 LARGE_ONE_PASS = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2, one_pass=True)
+# recompute (the fp8 head's): the forward writes nothing; kernels/fp8_logit_grad.py recomputes the
+# gradient in the backward (its exp on the MUFU; on the FMA pipes with fma_exp_passes=2)
+SMALL_RECOMPUTE = LaunchConfig(block_v=128, num_warps=4, programs_per_sm=5, one_pass=True, recompute=True)
+LARGE_RECOMPUTE = LaunchConfig(block_v=512, num_warps=4, programs_per_sm=3, fma_exp_passes=2, one_pass=True,
+                               recompute=True)
 
 
 def _inputs(seed: int, t: int, d: int, v: int, n: int, dtype: torch.dtype, prefix_share: float = 0.6,
@@ -254,7 +261,8 @@ def _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=No
     return loss.detach(), xl.grad, wl.grad
 
 
-@pytest.mark.parametrize("launch", [LARGE, LARGE_ONE_PASS], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("launch", [LARGE, LARGE_ONE_PASS, LARGE_RECOMPUTE],
+                         ids=["two_pass", "one_pass", "recompute"])
 def test_fp8_head_matches_the_fp8_reference(launch):
     """The fp8 fused head against model/fp8.py's references around the torch loss: the loss equals
     it up to float32 rounding (the same fp8 operands); the gradients differ only where the bf16
@@ -276,9 +284,10 @@ def test_fp8_head_matches_the_fp8_reference(launch):
     assert errs["dx_rel_vs_bf16"] > 2 * errs["dx_rel"]
 
 
-def test_fp8_head_traces_as_one_graph():
+@pytest.mark.parametrize("launch", [LARGE, LARGE_RECOMPUTE], ids=["two_pass", "recompute"])
+def test_fp8_head_traces_as_one_graph(launch):
     """dynamo + AOTAutograd (fullgraph, aot_eager: the graph the inductor path starts from) take
-    the autograd.Function with its custom op and equal eager."""
+    the autograd.Function with its custom ops and equal eager."""
     from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
     from track_1_short.model.fp8 import LM_HEAD_GRAD_SCALE
 
@@ -287,7 +296,7 @@ def test_fp8_head_traces_as_one_graph():
 
     def head(x, w):
         return linear_softcap_ce_fp8(x, w, targets, mtp, pw, prefix, x_s=x_s, w_s=w_s, grad_s=grad_s,
-                                     launch=LARGE)
+                                     launch=launch)
 
     eager = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, fn=head)
     compiled = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s,
@@ -317,3 +326,119 @@ def test_fp8_head_backward_is_fp8_matmuls_backward_of_the_logit_gradient(launch)
                                       (torch.bfloat16, torch.bfloat16))
     _, dx, dw = _fp8_fused(x, w, targets, mtp, pw, prefix, upstream, x_s, w_s, grad_s, launch=launch)
     assert torch.equal(dx, dx_ref) and torch.equal(dw, dw_ref)
+
+
+# ------------------------------------------------ recompute (kernels/fp8_logit_grad.py)
+
+def _logit_case(seed: int, t: int, v: int, n: int, weights: list[float], prefix_weight: float):
+    """bf16 logits z [T, V] spanning the softcap's range, targets with some repeated as the prefix
+    (one column named by two slots), -1 prefixes, an upstream gradient g [T]."""
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(t, v, generator=g) * 6).to(torch.bfloat16)
+    targets = torch.randint(0, v, (t,), generator=g)
+    prefix = torch.randint(0, v, (t,), generator=g)
+    prefix[::3] = -1
+    prefix[1::5] = targets[1::5]
+    return (z, targets, prefix, torch.tensor(weights, dtype=torch.float32),
+            torch.tensor(prefix_weight, dtype=torch.float32), torch.randn(t, generator=g))
+
+
+@pytest.mark.parametrize("launch", [SMALL_RECOMPUTE, LARGE_RECOMPUTE], ids=["mufu_exp", "fma_exp"])
+def test_recompute_forward_leaves_the_logits_and_equals_one_pass(launch):
+    """The recompute forward writes no gradient (z unchanged) and returns one pass's loss and row
+    scale bitwise (the same kernel without its stores)."""
+    from track_1_short.kernels.softcap_ce import softcap_ce_rows_
+
+    z, targets, prefix, mtp, pw, _ = _logit_case(21, t=37, v=397, n=3, weights=[1.0, 0.5, 0.25],
+                                                 prefix_weight=0.3)
+    kept = z.clone()
+    loss, scale = softcap_ce_rows_(kept, targets, mtp, pw, prefix, launch)
+    assert torch.equal(kept, z)
+    one = z.clone()
+    loss_one, scale_one = softcap_ce_rows_(one, targets, mtp, pw, prefix,
+                                           LaunchConfig(**{**_fields(launch), "recompute": False}))
+    assert not torch.equal(one, z)  # the one-pass kernel did write its gradient
+    assert torch.equal(loss, loss_one) and torch.equal(scale, scale_one)
+
+
+def _fields(launch: LaunchConfig) -> dict:
+    return dict(zip(("block_v", "num_warps", "programs_per_sm", "fast_math", "fma_exp_passes",
+                     "tanh_sigmoid", "one_pass", "recompute"), launch.op_args(), strict=True))
+
+
+# (N, T, V, MTP weights, prefix weight): tails past T - N, an MTP weight of 0, rows whose weights
+# are all 0 (the second case: no prefix term and one target); V not a multiple of the tile
+RECOMPUTE_CASES = [(3, 37, 397, [1.0, 0.0, 0.25], 0.3), (1, 29, 300, [0.0], 0.0), (2, 64, 256, [1.0, 0.5], 0.25)]
+
+
+@pytest.mark.parametrize("n,t,v,weights,prefix_weight", RECOMPUTE_CASES)
+def test_recomputed_fp8_gradient_is_the_exact_gradient_rounded(n, t, v, weights, prefix_weight):
+    """fp8_logit_grad from the recompute forward's row scale: every element of row (and col, its
+    column-major copy) is e5m2 of the float64 gradient g dloss/dz / grad_s, except where that
+    value lies within 1e-5 relative of an e5m2 rounding boundary (float32 math may round it
+    either way); the target slots' columns (the fix-up) included."""
+    from track_1_short.kernels.fp8_logit_grad import fp8_logit_grad
+    from track_1_short.kernels.softcap_ce import softcap_ce_rows_
+    from track_1_short.model.fp8 import E5M2
+
+    z, targets, prefix, mtp, pw, g = _logit_case(22 + t, t=t, v=v, n=n, weights=weights,
+                                                 prefix_weight=prefix_weight)
+    _, scale = softcap_ce_rows_(z.clone(), targets, mtp, pw, prefix, SMALL_RECOMPUTE)
+    zz = z.double().requires_grad_()
+    capped = SOFTCAP_SCALE * torch.sigmoid((zz + SOFTCAP_SHIFT) / SOFTCAP_DIV)
+    (dz,) = torch.autograd.grad(training_loss(capped, targets, mtp.double(), pw.double(), prefix), zz,
+                                g.double())
+    grad_s = torch.tensor(max(float(dz.abs().max()), 1e-3) / 40000.0)  # the largest element near e5m2's top
+    row, col = fp8_logit_grad(z, g * scale, g, targets, prefix, mtp, pw, grad_s, SMALL_RECOMPUTE)
+    assert row.dtype == col.dtype == E5M2 and row.stride() == (v, 1) and col.stride() == (1, t)
+    y = dz / float(grad_s)
+    # compared as values: +0 and -0 are one gradient (0 times a negative g is -0)
+    lo, hi = ((y * (1 + d)).float().to(E5M2).float() for d in (-1e-5, 1e-5))
+    sure = lo == hi  # [T, V]: the rounding is decided
+    got = row.float()
+    wrong = (got != lo) & sure
+    # the one-hot columns, where the fix-up writes
+    cols = torch.zeros(t, v, dtype=torch.bool)
+    for k in range(n):
+        rows = torch.arange(t - k)
+        cols[rows, targets[rows + k]] = True
+    cols[prefix >= 0, prefix[prefix >= 0]] = True
+    print(f"\nrecompute N={n} T={t} V={v}: {int(wrong.sum())} wrong, {int((~sure).sum())} undecided of "
+          f"{t * v}; target columns {int(cols.sum())}")
+    assert int(wrong.sum()) == 0 and int((~sure).sum()) < t * v // 1000 + 2
+    assert torch.equal(col.view(torch.uint8), row.view(torch.uint8))  # the same bytes in the other layout
+    assert torch.equal(got[cols], lo[cols])  # the fix-up's columns (decided there in these cases)
+    if not any(weights) and prefix_weight == 0.0:
+        assert not got.any()  # W = 0 everywhere: a zero gradient (not NaN)
+
+
+def test_fp8_logit_grad_opcheck():
+    from track_1_short.kernels.fp8_logit_grad import fp8_logit_grad_op
+
+    z, targets, prefix, mtp, pw, g = _logit_case(31, t=17, v=100, n=2, weights=[1.0, 0.5], prefix_weight=0.25)
+    h = g * 0.01
+    torch.library.opcheck(fp8_logit_grad_op, (z, h, g, targets, prefix, mtp, pw, torch.tensor(1e-4),
+                                              False, False, False, 16, 32, 4, True))
+
+
+def test_recompute_backward_takes_an_expanded_upstream_gradient():
+    """loss.sum().backward() hands the backward an expanded (stride-0) upstream gradient: the
+    recompute head's gradients equal those of the same ones given as a contiguous tensor (its
+    kernels read g and h by row)."""
+    from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
+    from track_1_short.model.fp8 import LM_HEAD_GRAD_SCALE
+
+    x, w, targets, mtp, pw, prefix, _, x_s, w_s = _fp8_case(seed=14, t=32, v=160)
+    grad_s = torch.tensor(LM_HEAD_GRAD_SCALE)
+    grads = []
+    for expanded in (True, False):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_softcap_ce_fp8(xl, wl, targets, mtp, pw, prefix, x_s=x_s, w_s=w_s, grad_s=grad_s,
+                                     launch=LARGE_RECOMPUTE)
+        if expanded:
+            loss.sum().backward()
+        else:
+            loss.backward(torch.ones(loss.shape[0]))
+        grads.append((xl.grad, wl.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][0].abs().sum() > 0

@@ -94,7 +94,10 @@ def test_set_reaches_any_scalar_field_after_the_other_flags():
     ("data=3", r"a section \(DataConfig\), not a field"),
     ("model.ngram.trigram_rows=1", "NgramConfig.trigram_rows=1 must be >= 2"),  # re-validated
     ("model.attn_out_init=normal", "GPTConfig.attn_out_init='normal'"),
-    ("train.fused_loss_one_pass=true --no-fused-loss", "fused_loss_one_pass=true is a schedule of the fused loss"),
+    ("train.fused_loss_schedule=one_pass --no-fused-loss", "fused_loss_schedule=one_pass is a schedule of the fused loss"),
+    ("train.fused_loss_schedule=three_pass", r"fused_loss_schedule='three_pass': one of \('auto', 'two_pass'"),
+    ("train.fused_loss_schedule=recompute", "recompute is the fp8 lm head's"),
+    ("train.fused_loss_schedule=recompute --fp8 --set model.fp8.sites=mlp_up", "recompute is the fp8 lm head's"),
 ])
 def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
     item, *flags = item.split(" ")

@@ -340,9 +340,11 @@ def test_strategies_are_installed_from_outside():
     from track_1_short.kernels.softcap_ce import DEFAULT_LAUNCH, linear_softcap_ce
     assert model.head_loss.func is linear_softcap_ce and model.head_loss.keywords["launch"] == DEFAULT_LAUNCH
     assert build.describe_strategies(model).endswith("fused Triton kernel (kernels/softcap_ce.py) loss")
-    build._install_fused_loss(model, torch.device("cuda"), enabled=True, one_pass=True)
+    build._install_fused_loss(model, torch.device("cuda"), enabled=True, schedule="one_pass")
     assert model.head_loss.keywords["launch"].one_pass
     assert build.describe_strategies(model).endswith("(kernels/softcap_ce.py) in one pass loss")
+    with pytest.raises(ValueError, match="recompute needs the fp8 lm head"):
+        build._install_fused_loss(model, torch.device("cuda"), enabled=True, schedule="recompute")
     model.head_loss = None
     model.matmuls = Fp8Matmuls(model.config.fp8, num_layers=model.config.num_layers)
     build._install_fused_loss(model, torch.device("cuda"), enabled=True)
@@ -352,10 +354,15 @@ def test_strategies_are_installed_from_outside():
     assert head.keywords["x_s"] is model.matmuls.lm_head_x_scale
     assert head.keywords["w_s"] is model.matmuls.lm_head_w_scale
     assert head.keywords["grad_s"] is model.matmuls.lm_head_grad_scale
-    assert head.keywords["launch"] == DEFAULT_LAUNCH
+    from track_1_short.kernels.softcap_ce import RECOMPUTE_LAUNCH
+    assert head.keywords["launch"] == RECOMPUTE_LAUNCH  # "auto": recompute with the fp8 head
     assert build.describe_strategies(model) == (
         "training forward: fp8 (lm_head, mlp_up, mlp_down), otherwise bf16/fp32 matmuls, fused "
-        "Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py) loss")
+        "Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py) in one pass, the gradient "
+        "recomputed in the backward (kernels/fp8_logit_grad.py) loss")
+    build._install_fused_loss(model, torch.device("cuda"), enabled=True, schedule="two_pass")
+    assert model.head_loss.func is linear_softcap_ce_fp8 and model.head_loss.keywords["launch"] == DEFAULT_LAUNCH
+    assert build.describe_strategies(model).endswith("(kernels/softcap_ce_fp8.py) loss")
     mlp_only = _model(fp8=Fp8Config(enabled=True, sites=("mlp_up", "mlp_down")))
     mlp_only.matmuls = Fp8Matmuls(mlp_only.config.fp8, num_layers=mlp_only.config.num_layers)
     build._install_fused_loss(mlp_only, torch.device("cuda"), enabled=True)

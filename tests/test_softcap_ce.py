@@ -24,7 +24,7 @@ from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
 from track_1_short.kernels import softcap_ce  # noqa: E402
 from track_1_short.kernels.softcap_ce import LaunchConfig, linear_softcap_ce  # noqa: E402
 
-NUM_CASES = 27  # tests in softcap_ce_cases.py (parametrizations included)
+NUM_CASES = 36  # tests in softcap_ce_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -88,7 +88,8 @@ def test_inputs_on_two_devices_are_a_value_error():
                                           ({"num_warps": 3}, "num_warps=3"),
                                           ({"programs_per_sm": 0}, "programs_per_sm=0"),
                                           ({"fma_exp_passes": 3}, "fma_exp_passes=3"),
-                                          ({"tanh_sigmoid": True, "fast_math": False}, "tanh_sigmoid=True")])
+                                          ({"tanh_sigmoid": True, "fast_math": False}, "tanh_sigmoid=True"),
+                                          ({"recompute": True}, "recompute=True needs one_pass=True")])
 def test_launch_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LaunchConfig(**kwargs)
@@ -108,3 +109,50 @@ def test_cpu_tensors_without_the_interpreter_are_a_clear_error():
     args = _args(t=16, d=8, v=40, device="cpu")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         linear_softcap_ce(*args)
+
+
+def test_the_bf16_op_refuses_the_recompute_schedule():
+    """recompute leaves the logits in place, which the bf16 head's backward GEMMs cannot use."""
+    from track_1_short.kernels.softcap_ce import RECOMPUTE_LAUNCH, default_launch
+    assert default_launch("recompute") == RECOMPUTE_LAUNCH and RECOMPUTE_LAUNCH.one_pass
+    with pytest.raises(ValueError, match="fp8 lm head's schedule"):
+        linear_softcap_ce(*_args(t=16, d=8, v=40, device="cpu"), launch=RECOMPUTE_LAUNCH)
+    with pytest.raises(ValueError, match="schedule 'three_pass'"):
+        default_launch("three_pass")
+
+
+def _grad_args(t=49152, v=50304, n=1, device="cuda"):
+    """fp8_logit_grad's inputs at stage C's shapes."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(t, v, dtype=torch.bfloat16, device=device), torch.empty(t, **f32),
+            torch.empty(t, **f32), torch.zeros(t, dtype=torch.int64, device=device),
+            torch.full((t,), -1, dtype=torch.int64, device=device), torch.ones(n, **f32),
+            torch.tensor(0.0, **f32), torch.tensor(1e-3, **f32))
+
+
+def test_fp8_logit_grad_fake_registration_gives_both_layouts():
+    from track_1_short.kernels.fp8_logit_grad import fp8_logit_grad
+    from track_1_short.kernels.softcap_ce import RECOMPUTE_LAUNCH
+    with FakeTensorMode():
+        row, col = fp8_logit_grad(*_grad_args(), RECOMPUTE_LAUNCH)
+        assert row.shape == col.shape == (49152, 50304) and row.dtype == col.dtype == torch.float8_e5m2
+        assert row.stride() == (50304, 1) and col.stride() == (1, 49152)
+
+
+@pytest.mark.parametrize("index,value,match", [
+    (0, torch.empty(16, 40), None), (0, torch.empty(40, 16, dtype=torch.bfloat16).t(), "contiguous"),
+    (1, torch.empty(15), "h needs float32"), (2, torch.empty(16, dtype=torch.float64), "g needs float32"),
+    (3, torch.zeros(16, dtype=torch.int32), "targets needs int64"),
+    (7, torch.tensor([1e-3]), "scale needs a float32 0-d"),
+])
+def test_fp8_logit_grad_bad_inputs_are_value_errors(index, value, match):
+    from track_1_short.kernels.fp8_logit_grad import fp8_logit_grad
+    from track_1_short.kernels.softcap_ce import RECOMPUTE_LAUNCH
+    args = list(_grad_args(t=16, v=40, device="cpu"))
+    args[index] = value
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        if match is None:  # float32 logits are fine
+            fp8_logit_grad(*args, RECOMPUTE_LAUNCH)
+        else:
+            with pytest.raises(ValueError, match=match):
+                fp8_logit_grad(*args, RECOMPUTE_LAUNCH)

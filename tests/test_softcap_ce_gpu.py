@@ -42,7 +42,7 @@ KEYS = {"A": (16384, (1.0, 0.5, 0.25), 0.25), "C": (49152, (1.0,), 0.0)}
 
 def _fused_op(one_pass: bool):
     """linear_softcap_ce with the default launch of either schedule (softcap_ce.default_launch)."""
-    return functools.partial(linear_softcap_ce, launch=default_launch(one_pass))
+    return functools.partial(linear_softcap_ce, launch=default_launch("one_pass" if one_pass else "two_pass"))
 
 
 def _inputs(key: str, seed: int):

@@ -38,6 +38,7 @@ from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, St
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
+FUSED_LOSS_SCHEDULES = ("auto", "two_pass", "one_pass", "recompute")  # TrainConfig.fused_loss_schedule
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 # --model-profile NAME: a named set of model fields (as --set items), applied after the other
 # flags and before --set, which can override any of them; config.json holds the result, not the
@@ -127,9 +128,13 @@ class TrainConfig:
     validation: bool = True  # False: no validation at all (benchmarks of the step: bench/step.py)
     # the fused lm-head + softcapped CE kernel (kernels/softcap_ce.py) on CUDA with a bf16 lm head
     fused_loss: bool = True
-    # that kernel in one pass over each logit row, the gradient written up to a row scale
-    # (kernels/softcap_ce.py, "One pass"; off until timed: scripts/gpu/fp8_step.sh's fast_1pass)
-    fused_loss_one_pass: bool = False
+    # that kernel's schedule (kernels/softcap_ce.py): "two_pass" (the row read twice, the whole
+    # gradient written), "one_pass" (read once, the gradient written up to a row scale, "One
+    # pass"), "recompute" (fp8 lm head only: the forward writes no gradient, the backward
+    # recomputes it as it quantises it, kernels/fp8_logit_grad.py), or "auto": recompute with an
+    # fp8 lm head (timed in the step, docs/results/vs_record_h200_2026-12-03.json), two_pass with
+    # a bf16 one (one_pass is faster alone but not yet timed in the step)
+    fused_loss_schedule: str = "auto"
     # on one rank, the n-gram row pull and the held gradient's sum run inside the step runner's
     # forward and backward (captured into the step graphs; perf/ngram_store.py "Rows inside the
     # step"); False: around them, eagerly, as with several ranks (where the pull is a collective)
@@ -175,9 +180,12 @@ class TrainConfig:
                              f"(drop --no-compile)")
         if self.mlp_kernel not in MLP_KERNELS:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
-        if self.fused_loss_one_pass and not self.fused_loss:
-            raise ValueError("train.fused_loss_one_pass=true is a schedule of the fused loss: drop "
-                             "--no-fused-loss, or the one-pass setting")
+        if self.fused_loss_schedule not in FUSED_LOSS_SCHEDULES:
+            raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule!r}: one of "
+                             f"{FUSED_LOSS_SCHEDULES}")
+        if self.fused_loss_schedule not in ("auto", "two_pass") and not self.fused_loss:
+            raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule} is a schedule of "
+                             f"the fused loss: drop --no-fused-loss, or the schedule setting")
         if self.max_autotune and (not self.compile or self.compile_backend != "inductor"):
             raise ValueError("TrainConfig.max_autotune needs the compiled model with the inductor "
                              f"backend (compile={self.compile}, compile_backend={self.compile_backend!r})")
@@ -227,6 +235,11 @@ class RunConfig:
             refusal = fp8.fused_mlp_refusal(quack_fp8_sites(fp8.fp8_mlp_sites()))
             if refusal is not None:
                 raise ValueError(f"--mlp-kernel quack {refusal}")
+        fp8 = self.model.fp8
+        if self.train.fused_loss_schedule == "recompute" and not (fp8.enabled and "lm_head" in fp8.sites):
+            raise ValueError("train.fused_loss_schedule=recompute is the fp8 lm head's (its backward "
+                             "recomputes the gradient as it quantises it): add --fp8 with lm_head "
+                             "in model.fp8.sites, or take train.fused_loss_schedule=one_pass")
         if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
             raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
                              f"be 1, got {self.schedule.adam_every} (from_args sets it)")

@@ -24,7 +24,9 @@
 #   quack_mlp --set train.mlp_kernel=quack: the MLP's GEMMs from quack-kernels with ReLU^2 and its
 #            derivative in their epilogues (kernels/relu2_mlp.py; the same package carry as fa4)
 #   fa4_quack both
-#   fast     fa4_quack with the fp8 lm head: every kernel change that won at C alone (2026-12-01)
+#   fast     fa4_quack with the fp8 lm head: every kernel change that won at C alone (2026-12-01);
+#            from 2026-12-03 its fused loss runs the recompute schedule (train.fused_loss_schedule
+#            auto with an fp8 lm head): variants before then ran two passes
 #   fast_head_mudd  fast with the loss variant head_mudd's flags (scripts/gpu/loss_variants.sh):
 #            the record's architecture, which matched its loss where our default did not; its
 #            step time is the one to hold against the record's
@@ -38,8 +40,12 @@
 #   fast_head_mudd_fp8up fast_fp8up with head_mudd's flags: the record's architecture with the
 #            fp8 lm head, the fp8 up projection and the fused ReLU^2 together
 #   fast_1pass fast with the fused loss kernel in one pass over each logit row
-#            (--set train.fused_loss_one_pass=true; kernels/softcap_ce.py "One pass")
+#            (--set train.fused_loss_schedule=one_pass; kernels/softcap_ce.py "One pass")
 #   fast_head_mudd_1pass fast_head_mudd with it: the like-for-like step against the record
+#   fast_recompute fast with the fp8 head's recompute schedule (--set
+#            train.fused_loss_schedule=recompute: the forward writes no gradient, the backward
+#            recomputes it as it quantises it, kernels/fp8_logit_grad.py)
+#   fast_head_mudd_recompute fast_head_mudd with it
 #   head_mudd the loss variant head_mudd alone (bf16, FlexAttention): what its flags cost
 #   mudd     --set model.mudd.gates=true --set model.mudd.dc=true --set model.mudd.connections=true:
 #            what HEAD's MUDD (DC in torch ops here) costs per step, if the loss ablations keep it
@@ -70,8 +76,10 @@ variant_flags() {
     fast_fp8up) echo "$(variant_flags fa4_quack) --set model.fp8.enabled=true" \
                      "--set model.fp8.sites=lm_head,mlp_up --set model.fp8.mlp_backward=bf16" ;;
     fast_head_mudd_fp8up) echo "$(variant_flags fast_fp8up) $(loss_variant_flags head_mudd)" ;;
-    fast_1pass) echo "$(variant_flags fast) --set train.fused_loss_one_pass=true" ;;
-    fast_head_mudd_1pass) echo "$(variant_flags fast_head_mudd) --set train.fused_loss_one_pass=true" ;;
+    fast_1pass) echo "$(variant_flags fast) --set train.fused_loss_schedule=one_pass" ;;
+    fast_head_mudd_1pass) echo "$(variant_flags fast_head_mudd) --set train.fused_loss_schedule=one_pass" ;;
+    fast_recompute) echo "$(variant_flags fast) --set train.fused_loss_schedule=recompute" ;;
+    fast_head_mudd_recompute) echo "$(variant_flags fast_head_mudd) --set train.fused_loss_schedule=recompute" ;;
     head_mudd_fp8) loss_variant_flags head_mudd_fo_fp8 ;;
     fast_head_mudd_fp8) echo "$(loss_variant_flags head_mudd_fo_fp8) $(variant_flags fa4)" ;;
     head_mudd) loss_variant_flags head_mudd ;;

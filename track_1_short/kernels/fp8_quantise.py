@@ -136,27 +136,49 @@ def _quantise_both_layouts(t_ptr, m_ptr, scale_ptr, row_ptr, col_ptr, R, C, stri
                            stride_m, FMAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
                            HAS_MUL: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_C: tl.constexpr):
+    r, r_ok, mask, r64, c64 = program_tile(R, C, BLOCK_R, BLOCK_C)
+    v = tl.load(t_ptr + r64 * stride_tr + c64 * stride_tc, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MUL:
+        v = v * tl.load(m_ptr + r.to(tl.int64) * stride_m, mask=r_ok, other=0.0)[:, None]
+    q = to_fp8(tl.div_rn(v, tl.load(scale_ptr)), row_ptr.dtype.element_ty, FMAX, MANT, BIAS, HW_CAST)
+    store_both_layouts(row_ptr, col_ptr, q, r64, c64, R, C, mask)
+
+
+@triton.jit
+def program_tile(R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_C] tile of an [R, C] matrix (row tiles outer, column tiles
+    inner): (r [BLOCK_R] rows, r_ok [BLOCK_R], mask [BLOCK_R, BLOCK_C], r64 [BLOCK_R, 1] and c64
+    [1, BLOCK_C] int64 indices: R x C exceeds 2^31 at stage C)."""
     pid = tl.program_id(0)
     tiles_c = tl.cdiv(C, BLOCK_C)
     r = (pid // tiles_c) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     c = (pid % tiles_c) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C]
     r_ok = r < R
     mask = r_ok[:, None] & (c < C)[None, :]  # [BLOCK_R, BLOCK_C]
-    r64 = r.to(tl.int64)[:, None]  # [BLOCK_R, 1]: R x C exceeds 2^31 at stage C
-    c64 = c.to(tl.int64)[None, :]  # [1, BLOCK_C]
-    v = tl.load(t_ptr + r64 * stride_tr + c64 * stride_tc, mask=mask, other=0.0).to(tl.float32)
-    if HAS_MUL:
-        v = v * tl.load(m_ptr + r.to(tl.int64) * stride_m, mask=r_ok, other=0.0)[:, None]
-    v = tl.clamp(tl.div_rn(v, tl.load(scale_ptr)), -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
-    out_ty = row_ptr.dtype.element_ty
+    return r, r_ok, mask, r.to(tl.int64)[:, None], c.to(tl.int64)[None, :]
+
+
+@triton.jit
+def to_fp8(v, out_ty: tl.constexpr, FMAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+           HW_CAST: tl.constexpr):
+    """float32 v (already divided by the scale) clamped to +-FMAX and rounded to the fp8 dtype
+    out_ty, to nearest even: the hardware cast (HW_CAST) or the bit rounding (module docstring)."""
+    v = tl.clamp(v, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
     if HW_CAST:
-        q = v.to(out_ty)  # round to nearest even (Triton's default for fp8 downcasts)
+        return v.to(out_ty)  # round to nearest even (Triton's default for fp8 downcasts)
     else:
-        q = _round_to_fp8_bits(v, MANT, BIAS).to(tl.uint8).to(out_ty, bitcast=True)
+        return _round_to_fp8_bits(v, MANT, BIAS).to(tl.uint8).to(out_ty, bitcast=True)
+
+
+@triton.jit
+def store_both_layouts(row_ptr, col_ptr, q, r64, c64, R, C, mask):
+    """The fp8 tile q [BLOCK_R, BLOCK_C] at rows r64 [BLOCK_R, 1] and columns c64 [1, BLOCK_C]
+    (int64) of an [R, C] matrix into row (strides (C, 1)) and col (strides (1, R)), both stores
+    coalesced (module docstring, "How it works")."""
     row_offs = r64 * C + c64  # [BLOCK_R, BLOCK_C] into row, strides (C, 1)
     tl.store(row_ptr + row_offs, q, mask=mask)
-    # the column-major copy from the tile just written (module docstring, "How it works"): after
-    # the barrier every thread's stores are visible to the whole program
+    # the column-major copy from the tile just written: after the barrier every thread's stores
+    # are visible to the whole program
     tl.debug_barrier()
     tl.store(col_ptr + r64 + c64 * R, tl.load(row_ptr + row_offs, mask=mask), mask=mask)  # (1, R)
 

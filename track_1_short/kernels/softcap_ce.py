@@ -67,8 +67,7 @@ at C from the MUFU count alone; what binds now is memory: pass 2 reads the row a
 (3.8 ms is ~3.9 TB/s). Fewer rows in flight (2 or 4 per SM) did not keep it in L2 (slower). The
 record reads the row once (its sigmoids stay in shared memory).
 
-One pass (LaunchConfig.one_pass; built after the lease that measured "Sigmoid as tanh", not yet
-timed, so not the default): the row's scale is the only thing pass 2 needs from pass 1, and a
+One pass (LaunchConfig.one_pass; TrainConfig.fused_loss_schedule "one_pass"): the row's scale is the only thing pass 2 needs from pass 1, and a
 row scale commutes with the backward's GEMMs like the upstream gradient does. So one pass
 writes u_j = exp(z'_j - 23) s_j (1 - s_j) over each chunk as it reads it (z' - 23 lies in
 (-23, 0]: no overflow, no denormal, bf16 keeps the same relative precision as the whole
@@ -80,7 +79,23 @@ read and one write of the row (4 at bf16, 9.9 GB per call at C) instead of ~6 wh
 re-read misses L2; MUFU ops 2 (tanh, ex2). Predicted at C: ~2.5-2.8 ms against 3.8 (memory at
 ~3.9 TB/s), at A ~1.0 against 1.4; i.e. ~-1.1 ms per stage-C micro-step, ~-9 ms per step.
 Numerics: u rounds to bf16 like dz did (half an ulp relative), r stays float32; the row scale
-reaches dw through (h x) rounded to bf16, as g alone did.
+reaches dw through (h x) rounded to bf16, as g alone did. Measured, the kernel alone on one H200
+(docs/results/loss_kernel_onepass_h200_2026-12-02/sweep.log): 2.53 ms at C and 0.85 at A with
+4096 / 8 / 8 (ONE_PASS_LAUNCH), against 3.77 / 1.27 for the two-pass default, in one call.
+
+Recompute (LaunchConfig.recompute, with one_pass; the fp8 head's schedule, the default with an
+fp8 lm head): the forward runs the one-pass kernel without its stores (loss and row scale only;
+the logits stay in place: one read of the row, 4.9 GB at C), and the backward's
+kernels/fp8_logit_grad.py recomputes the gradient from the logits as it quantises it into both
+e5m2 layouts (one read, two fp8 writes), where the one-pass schedule wrote u in bf16 and the
+quantise kernel read it back. The bf16 head cannot use it (its backward GEMMs take the bf16
+gradient; refused with a ValueError). Measured on one H200, kernels alone in one call
+(tests/test_softcap_ce_fp8_gpu.py, docs/results/gpu_tests_softcap_ce_fp8_recompute_h200_2026-12-03/):
+forward 1.73 + backward 2.98 ms at C against one pass's 2.55 + quantise 3.49 (-1.33 ms per
+micro-step), 0.59 + 1.19 against 0.87 + 1.30 at A; the fp8 head's forward + backward with its
+GEMMs 14.56 against 16.14 (one pass) and 17.50 ms (two passes) at C. Predicted ~1.3 + ~3.6: the
+forward is bound by its two MUFU ops per element, the backward faster than the quantise kernel it
+replaces (a multiply by the reciprocal scale instead of an IEEE division).
 
 Math (equal to model/loss.py up to float32 rounding; N = len(mtp_weights), shapes below):
     z'_tj = 23 * sigmoid((z_tj + 5) / 7.5)        lse_t = log sum_j exp(z'_tj)
@@ -150,7 +165,7 @@ _ARG_ADD = tl.constexpr(-SOFTCAP_SHIFT * _LOG2E / SOFTCAP_DIV)
 _SCALE = tl.constexpr(SOFTCAP_SCALE)
 _EXP_MUL = tl.constexpr(SOFTCAP_SCALE * _LOG2E)
 _LOG2E_C = tl.constexpr(_LOG2E)
-_DCAP = tl.constexpr(SOFTCAP_SCALE / SOFTCAP_DIV)  # dz'/dz = (23 / 7.5) s (1 - s)
+DCAP = tl.constexpr(SOFTCAP_SCALE / SOFTCAP_DIV)  # dz'/dz = (23 / 7.5) s (1 - s)
 # the same s as 1/2 + tanh(y) / 2 with y = (z + 5) / 7.5 / 2 = z * _TANH_MUL + _TANH_ADD
 _TANH_MUL = tl.constexpr(0.5 / SOFTCAP_DIV)
 _TANH_ADD = tl.constexpr(0.5 * SOFTCAP_SHIFT / SOFTCAP_DIV)
@@ -173,6 +188,11 @@ class LaunchConfig:
     # one pass over the row: the gradient written up to a per-row scale (module docstring, "One
     # pass"); its exp on the FMA pipes with fma_exp_passes=2
     one_pass: bool = False
+    # with one_pass: the forward writes no gradient, only the loss and the row scale, and leaves
+    # the logits in place; the fp8 head's backward recomputes the gradient from them as it
+    # quantises it (kernels/fp8_logit_grad.py; module docstring, "Recompute"). fp8 head only:
+    # the bf16 op refuses it (its backward GEMMs need the bf16 gradient)
+    recompute: bool = False
 
     def __post_init__(self):
         if self.block_v < 16 or self.block_v & (self.block_v - 1):
@@ -183,6 +203,9 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.programs_per_sm={self.programs_per_sm}: needs >= 1")
         if self.fma_exp_passes not in (0, 1, 2):
             raise ValueError(f"LaunchConfig.fma_exp_passes={self.fma_exp_passes}: choose 0, 1 or 2")
+        if self.recompute and not self.one_pass:
+            raise ValueError("LaunchConfig.recompute=True needs one_pass=True: the backward "
+                             "recomputes the gradient from one pass's row scale")
         if self.tanh_sigmoid and not self.fast_math:
             raise ValueError("LaunchConfig.tanh_sigmoid=True needs fast_math=True: tanh.approx is an "
                              "approximate instruction (module docstring, \"Sigmoid as tanh\")")
@@ -197,16 +220,30 @@ class LaunchConfig:
         return cls(**{f.name: a for f, a in zip(dataclasses.fields(cls), args, strict=True)})
 
 
+LAUNCH_FIELDS = tuple(f.name for f in dataclasses.fields(LaunchConfig))  # op_args' order, by name
+
+
+def launch_arg(op_args: tuple, name: str):
+    """One field of LaunchConfig.op_args() by name (traceable: no dataclass is built, as dynamo
+    tracing an autograd.Function's forward cannot build one)."""
+    return op_args[LAUNCH_FIELDS.index(name)]
+
+
 DEFAULT_LAUNCH = LaunchConfig()
 # The one-pass schedule's launch: the fastest of its sweep at both keys on the H200 (4096 / 8 / 8:
 # 2.53 ms at C, 0.85 at A, against 2.75 / 0.86 at the two-pass default's 2048 / 4 / 8;
 # docs/results/loss_kernel_onepass_h200_2026-12-02/sweep.log)
 ONE_PASS_LAUNCH = LaunchConfig(block_v=4096, num_warps=8, programs_per_sm=8, one_pass=True)
+# Recompute: one pass's kernel without its stores (not swept: the one-pass launch)
+RECOMPUTE_LAUNCH = dataclasses.replace(ONE_PASS_LAUNCH, recompute=True)
+SCHEDULE_LAUNCHES = {"two_pass": DEFAULT_LAUNCH, "one_pass": ONE_PASS_LAUNCH, "recompute": RECOMPUTE_LAUNCH}
 
 
-def default_launch(one_pass: bool) -> LaunchConfig:
-    """The launch of each schedule (TrainConfig.fused_loss_one_pass picks one)."""
-    return ONE_PASS_LAUNCH if one_pass else DEFAULT_LAUNCH
+def default_launch(schedule: str) -> LaunchConfig:
+    """The launch of each schedule (TrainConfig.fused_loss_schedule picks one)."""
+    if schedule not in SCHEDULE_LAUNCHES:
+        raise ValueError(f"fused loss schedule {schedule!r}: one of {tuple(SCHEDULE_LAUNCHES)}")
+    return SCHEDULE_LAUNCHES[schedule]
 
 
 @triton.jit
@@ -253,7 +290,7 @@ def _softmax_exp2(x, FMA: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _sigmoid_of_logit(z, FAST: tl.constexpr, TANH: tl.constexpr):
+def sigmoid_of_logit(z, FAST: tl.constexpr, TANH: tl.constexpr):
     """float32 z -> s = sigmoid((z + 5) / 7.5), so z' = 23 s and exp(z') = 2^(s * _EXP_MUL).
     TANH: s = 1/2 + tanh(y) / 2, one MUFU tanh.approx with FAST (|error of s| <= 2^-12, module
     docstring), else the same identity in exact math (the interpreter's path: it checks the
@@ -282,7 +319,7 @@ def _chunk_sigmoid(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FAST: tl.c
         z = tl.load(row_ptr + c, mask=c < V, other=0.0)
     else:
         z = tl.load(row_ptr + c)
-    return _sigmoid_of_logit(z.to(tl.float32), FAST, TANH)
+    return sigmoid_of_logit(z.to(tl.float32), FAST, TANH)
 
 
 @triton.jit
@@ -300,18 +337,46 @@ def _store_chunk_grad(row_ptr, c, grad_scale, lse2, V: tl.constexpr, MASKED: tl.
 
 @triton.jit
 def _store_chunk_unnormalised(row_ptr, c, V: tl.constexpr, MASKED: tl.constexpr, FMA: tl.constexpr,
-                              FAST: tl.constexpr, TANH: tl.constexpr):
+                              FAST: tl.constexpr, TANH: tl.constexpr, STORE: tl.constexpr):
     """One pass's chunk: e = exp(z' - 23) of the logits row_ptr[c], row_ptr[c] = e s (1 - s) in
-    place (the gradient up to the row's scale W (23 / 7.5) / sum_j e_j); returns e (0 past V)."""
+    place (the gradient up to the row's scale W (23 / 7.5) / sum_j e_j; not with STORE False,
+    "Recompute"); returns e (0 past V)."""
     s = _chunk_sigmoid(row_ptr, c, V, MASKED, FAST, TANH)
-    e = _softmax_exp2(s * _EXP_MUL - _EXP_MUL, FMA, FAST)  # z' - 23 = 23 (s - 1) in (-23, 0]
-    u = e * (s * (1.0 - s))
+    e = unnormalised_exp(s, FMA, FAST)
+    if STORE:
+        u = e * (s * (1.0 - s))
+        if MASKED:
+            tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty), mask=c < V)
+        else:
+            tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty))
     if MASKED:
-        tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty), mask=c < V)
         return tl.where(c < V, e, 0.0)
     else:
-        tl.store(row_ptr + c, u.to(row_ptr.dtype.element_ty))
         return e
+
+
+@triton.jit
+def unnormalised_exp(s, FMA: tl.constexpr, FAST: tl.constexpr):
+    """e = exp(z' - 23) of s = z' / 23 (z' - 23 = 23 (s - 1) lies in (-23, 0]): one pass's
+    softmax numerator, the row sum S' = sum_j e_j its denominator."""
+    return _softmax_exp2(s * _EXP_MUL - _EXP_MUL, FMA, FAST)
+
+
+@triton.jit
+def row_slots(row, T, targets_ptr, prefix_ptr, mtp_w_ptr, pw, N: tl.constexpr, NS: tl.constexpr):
+    """The target slots of one row: (slot [NS] (k < N the MTP targets, N the prefix, beyond N
+    padding), pos [NS] their columns in [0, V), w [NS] their weights (0 for a target past T, a
+    -1 prefix and the padding), sub [NS] the weights of all slots naming each slot's column
+    (duplicates add up)). pw: prefix_weight's value."""
+    slot = tl.arange(0, NS)
+    mtp_ok = (slot < N) & (row + slot < T)
+    tgt = tl.load(targets_ptr + row + slot, mask=mtp_ok, other=0)
+    pfx = tl.load(prefix_ptr + row)
+    pos = tl.where(slot == N, tl.maximum(pfx, 0), tgt)  # [NS] columns in [0, V)
+    w_mtp = tl.load(mtp_w_ptr + slot, mask=mtp_ok, other=0.0)
+    w = tl.where(mtp_ok, w_mtp, tl.where((slot == N) & (pfx >= 0), pw, 0.0))  # [NS]
+    sub = tl.sum(tl.where(pos[:, None] == pos[None, :], w[None, :], 0.0), axis=1)  # [NS]
+    return slot, pos, w, sub
 
 
 @triton.jit
@@ -319,10 +384,9 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
                      V: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, N: tl.constexpr,
                      NS: tl.constexpr, BLOCK_V: tl.constexpr, FMA1: tl.constexpr,
                      FMA2: tl.constexpr, FAST: tl.constexpr, TANH: tl.constexpr,
-                     ONE_PASS: tl.constexpr):
+                     ONE_PASS: tl.constexpr, STORE: tl.constexpr):
     cols = tl.arange(0, BLOCK_V)
     V_FULL: tl.constexpr = V - V % BLOCK_V  # columns in unmasked chunks
-    slot = tl.arange(0, NS)  # [NS]: k = 0..N-1 the MTP targets, N the prefix, beyond N padding
     pw = tl.load(prefix_w_ptr)
     # rows pid, pid + P, ...; loop bounds are constexprs: the interpreter turns int arguments into
     # 1-element arrays, which `range` cannot take under numpy >= 2.4
@@ -331,34 +395,31 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
         if row < T:
             row_ptr = z_ptr + row.to(tl.int64) * V
             # the slots' columns, weights and logits, read before any store overwrites the row
-            mtp_ok = (slot < N) & (row + slot < T)
-            tgt = tl.load(targets_ptr + row + slot, mask=mtp_ok, other=0)
-            pfx = tl.load(prefix_ptr + row)
-            pos = tl.where(slot == N, tl.maximum(pfx, 0), tgt)  # [NS] columns in [0, V)
-            w_mtp = tl.load(mtp_w_ptr + slot, mask=mtp_ok, other=0.0)
-            w = tl.where(mtp_ok, w_mtp, tl.where((slot == N) & (pfx >= 0), pw, 0.0))  # [NS]
-            s_slot = _sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST, TANH)  # [NS]
+            slot, pos, w, sub = row_slots(row, T, targets_ptr, prefix_ptr, mtp_w_ptr, pw, N, NS)
+            s_slot = sigmoid_of_logit(tl.load(row_ptr + pos).to(tl.float32), FAST, TANH)  # [NS]
             w_total = tl.sum(w, axis=0)
             w_picked = tl.sum(w * (_SCALE * s_slot), axis=0)
-            # the weights of all slots naming each slot's column (duplicates add up)
-            sub = tl.sum(tl.where(pos[:, None] == pos[None, :], w[None, :], 0.0), axis=1)  # [NS]
             if ONE_PASS:
                 # every warp has read the slots' logits before any warp overwrites the row
-                tl.debug_barrier()
-                # the one pass: S' = sum_j exp(z'_j - 23), e s (1 - s) written in place
+                if STORE:
+                    tl.debug_barrier()
+                # the one pass: S' = sum_j exp(z'_j - 23), e s (1 - s) written in place (STORE)
                 acc = tl.zeros([BLOCK_V], dtype=tl.float32)
                 for start in range(0, V_FULL, BLOCK_V):
-                    acc += _store_chunk_unnormalised(row_ptr, start + cols, V, False, FMA1, FAST, TANH)
+                    acc += _store_chunk_unnormalised(row_ptr, start + cols, V, False, FMA1, FAST, TANH,
+                                                     STORE)
                 if V_FULL < V:
-                    acc += _store_chunk_unnormalised(row_ptr, V_FULL + cols, V, True, FMA1, FAST, TANH)
+                    acc += _store_chunk_unnormalised(row_ptr, V_FULL + cols, V, True, FMA1, FAST, TANH,
+                                                     STORE)
                 total = tl.sum(acc, axis=0)
                 lse = _SCALE + tl.log(total)
-                scale = tl.where(w_total > 0.0, w_total * _DCAP / total, 0.0)
+                scale = tl.where(w_total > 0.0, w_total * DCAP / total, 0.0)
                 # fix-up of the target columns, after every warp's stores: (e - (sub / W) S') s (1 - s),
                 # which the row's scale turns into (W p - sub) dz'/dz
-                tl.debug_barrier()
+                if STORE:
+                    tl.debug_barrier()
                 ratio = sub / tl.where(w_total > 0.0, w_total, 1.0)  # W = 0: sub = 0
-                e_slot = _softmax_exp2(s_slot * _EXP_MUL - _EXP_MUL, FMA1, FAST)
+                e_slot = unnormalised_exp(s_slot, FMA1, FAST)
                 dz_slot = (e_slot - ratio * total) * (s_slot * (1.0 - s_slot))
             else:
                 # pass 1: S = sum_j exp(z'_j) (z' < 23: no max needed)
@@ -375,7 +436,7 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
                 tl.debug_barrier()
                 # pass 2: W p_j dz'/dz everywhere, in place
                 lse2 = lse * _LOG2E_C
-                grad_scale = w_total * _DCAP
+                grad_scale = w_total * DCAP
                 for start in range(0, V_FULL, BLOCK_V):
                     _store_chunk_grad(row_ptr, start + cols, grad_scale, lse2, V, False, FMA2, FAST, TANH)
                 if V_FULL < V:
@@ -384,10 +445,11 @@ def _softcap_ce_rows(z_ptr, targets_ptr, prefix_ptr, mtp_w_ptr, prefix_w_ptr, lo
                 # weights of all slots naming the column (equal columns get equal values)
                 tl.debug_barrier()
                 p_slot = _softmax_exp2(s_slot * _EXP_MUL - lse2, FMA2, FAST)
-                dz_slot = (w_total * p_slot - sub) * (_DCAP * s_slot * (1.0 - s_slot))
+                dz_slot = (w_total * p_slot - sub) * (DCAP * s_slot * (1.0 - s_slot))
             tl.store(loss_ptr + row, w_total * lse - w_picked)
             tl.store(scale_ptr + row, scale)
-            tl.store(row_ptr + pos, dz_slot.to(z_ptr.dtype.element_ty), mask=slot <= N)
+            if STORE:
+                tl.store(row_ptr + pos, dz_slot.to(z_ptr.dtype.element_ty), mask=slot <= N)
 
 
 def interpreted() -> bool:
@@ -399,6 +461,21 @@ def interpreted() -> bool:
 def _num_programs(device: torch.device, num_rows: int, programs_per_sm: int) -> int:
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     return max(1, min(num_rows, sms * programs_per_sm))
+
+
+def check_targets(where: str, t: int, targets: Tensor, prefix_targets: Tensor, mtp_weights: Tensor,
+                  prefix_weight: Tensor) -> None:
+    """ValueError naming the argument (and `where`, the op) for target ids, MTP weights or the
+    prefix weight the kernels cannot take, for T = t rows."""
+    for name, ids in (("targets", targets), ("prefix_targets", prefix_targets)):
+        if ids.dtype != torch.int64 or tuple(ids.shape) != (t,):
+            raise ValueError(f"{where}: {name} needs int64 [T={t}], got {ids.dtype} {tuple(ids.shape)}")
+    if mtp_weights.dtype != torch.float32 or mtp_weights.dim() != 1 or mtp_weights.shape[0] < 1:
+        raise ValueError(f"{where}: mtp_weights needs float32 [N >= 1], got {mtp_weights.dtype} "
+                         f"{tuple(mtp_weights.shape)}")
+    if prefix_weight.dtype != torch.float32 or prefix_weight.dim() != 0:
+        raise ValueError(f"{where}: prefix_weight needs a float32 0-d tensor, got {prefix_weight.dtype} "
+                         f"{tuple(prefix_weight.shape)}")
 
 
 def _check_inputs(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_weight: Tensor,
@@ -414,15 +491,7 @@ def _check_inputs(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor, pr
     t = x.shape[0]
     if t == 0 or w.shape[1] == 0:
         raise ValueError(f"{where}: empty input, x {tuple(x.shape)}, w {tuple(w.shape)}")
-    for name, ids in (("targets", targets), ("prefix_targets", prefix_targets)):
-        if ids.dtype != torch.int64 or tuple(ids.shape) != (t,):
-            raise ValueError(f"{where}: {name} needs int64 [T={t}], got {ids.dtype} {tuple(ids.shape)}")
-    if mtp_weights.dtype != torch.float32 or mtp_weights.dim() != 1 or mtp_weights.shape[0] < 1:
-        raise ValueError(f"{where}: mtp_weights needs float32 [N >= 1], got {mtp_weights.dtype} "
-                         f"{tuple(mtp_weights.shape)}")
-    if prefix_weight.dtype != torch.float32 or prefix_weight.dim() != 0:
-        raise ValueError(f"{where}: prefix_weight needs a float32 0-d tensor, got {prefix_weight.dtype} "
-                         f"{tuple(prefix_weight.shape)}")
+    check_targets(where, t, targets, prefix_targets, mtp_weights, prefix_weight)
     devices = {a.device for a in (x, w, targets, mtp_weights, prefix_weight, prefix_targets)}
     if len(devices) != 1:
         raise ValueError(f"{where}: all inputs on one device, got {sorted(map(str, devices))}")
@@ -435,8 +504,8 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
     """The kernel alone: (per-token loss float32 [T], row scale float32 [T]) of the logits z
     [T, V] (contiguous, bf16 or float32), and z overwritten IN PLACE with dloss/dz for a unit
     upstream gradient divided by the row scale (dloss/dz = scale[:, None] * z afterwards; the
-    scale is 1 unless launch.one_pass). The op's forward after its GEMM; bench/loss_kernel.py
-    times it on its own."""
+    scale is 1 unless launch.one_pass); with launch.recompute z is left as it is (the logits).
+    The op's forward after its GEMM; bench/loss_kernel.py times it on its own."""
     (t, v), n = z.shape, mtp_weights.shape[0]
     cuda = z.device.type == "cuda"
     if not cuda and not interpreted():
@@ -457,7 +526,7 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
                                           FMA2=launch.fma_exp_passes >= 1,
                                           FAST=launch.fast_math and cuda,
                                           TANH=launch.tanh_sigmoid, ONE_PASS=launch.one_pass,
-                                          num_warps=launch.num_warps)
+                                          STORE=not launch.recompute, num_warps=launch.num_warps)
     return loss, scale
 
 
@@ -465,15 +534,16 @@ def softcap_ce_rows_(z: Tensor, targets: Tensor, mtp_weights: Tensor, prefix_wei
 def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Tensor,
                          prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
                          programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-                         tanh_sigmoid: bool = False, one_pass: bool = False
+                         tanh_sigmoid: bool = False, one_pass: bool = False, recompute: bool = False
                          ) -> tuple[Tensor, Tensor, Tensor]:
     """(loss float32 [T], dz [T, V] in x's dtype, row scale float32 [T]): the forward of
     linear_softcap_ce (module docstring). scale[:, None] * dz is dloss/dz for a unit upstream
-    gradient; dz is written over the logits."""
+    gradient; dz is written over the logits. ValueError with recompute (the fp8 head's)."""
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
+    _refuse_recompute(recompute)
     z = torch.mm(x, w)  # [T, V]; overwritten with dz by the kernel
     launch = LaunchConfig.from_op_args(block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes,
-                                       tanh_sigmoid, one_pass)
+                                       tanh_sigmoid, one_pass, recompute)
     loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets, launch)
     return loss, z, scale
 
@@ -481,15 +551,24 @@ def linear_softcap_ce_op(x: Tensor, w: Tensor, targets: Tensor, mtp_weights: Ten
 @linear_softcap_ce_op.register_fake
 def _linear_softcap_ce_fake(x, w, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
                             num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False,
-                            one_pass=False):
+                            one_pass=False, recompute=False):
     _check_inputs(x, w, targets, mtp_weights, prefix_weight, prefix_targets)
+    _refuse_recompute(recompute)
     t = x.shape[0]
     return (x.new_empty(t, dtype=torch.float32), x.new_empty(t, w.shape[1]),
             x.new_empty(t, dtype=torch.float32))
 
 
+def _refuse_recompute(recompute: bool) -> None:
+    if recompute:
+        raise ValueError("linear_softcap_ce: LaunchConfig.recompute is the fp8 lm head's schedule "
+                         "(kernels/softcap_ce_fp8.py); the bf16 head's backward GEMMs need the "
+                         "gradient the forward writes: use one_pass without recompute")
+
+
 def _setup_context(ctx, inputs, output):
     x, w = inputs[0], inputs[1]
+    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(x, w, output[1], output[2])
 
@@ -499,7 +578,7 @@ def _backward(ctx, g_loss: Tensor, _g_dz: Tensor, _g_scale: Tensor):
     g = (g_loss.float() * scale)[:, None]  # [T, 1]: the upstream gradient times the row scale
     dx = (torch.mm(dz, w.t()) * g).to(x.dtype) if ctx.needs_input_grad[0] else None  # [T, D]
     dw = torch.mm((x * g).to(x.dtype).t(), dz) if ctx.needs_input_grad[1] else None  # [D, V]
-    return dx, dw, *([None] * 11)
+    return dx, dw, *([None] * (ctx.num_inputs - 2))
 
 
 linear_softcap_ce_op.register_autograd(_backward, setup_context=_setup_context)

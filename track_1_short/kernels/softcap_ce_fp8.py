@@ -20,6 +20,9 @@ How it works (one definition for eager, torch.compile and CUDA-graph capture; sh
     backward  upstream g [T]: g8 = q5(dz * (g * r)[:, None] / grad_s) [T, V]       (e5m2)
                 t1s::fp8_quantise_both_layouts (kernels/fp8_quantise.py): one Triton kernel
                 writes g8 row-major and column-major; no float32 [T, V] gz is materialised
+                (LaunchConfig.recompute: the forward left the logits z in place, and
+                t1s::fp8_logit_grad (kernels/fp8_logit_grad.py) writes g8 of the gradient it
+                recomputes from them, the same two layouts)
               dx = _scaled_mm(g8, w8^T) * grad_s * w_s -> bf16 [T, D]
               dw = _scaled_mm(x8^T, g8) * x_s * grad_s -> fp32 [D, V], then w's dtype
 The backward is fp8_matmul's: the kernel's g8 is bitwise model/fp8.quantise(dz * (g * r)[:, None],
@@ -60,8 +63,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from track_1_short.kernels.fp8_logit_grad import fp8_logit_grad
 from track_1_short.kernels.fp8_quantise import quantise_both_layouts
-from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, LaunchConfig, _check_inputs,
+from track_1_short.kernels.softcap_ce import (DEFAULT_LAUNCH, LaunchConfig, _check_inputs, launch_arg,
                                               softcap_ce_rows_)
 from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_from_quantised,
                                      quantise_operands, row_major, scaled_mm_body)
@@ -70,12 +74,14 @@ from track_1_short.model.fp8 import (E5M2, check_fp8_dims, col_major, fp8_grads_
 def _fwd_body(x8: Tensor, w8: Tensor, x_s: Tensor, w_s: Tensor, targets: Tensor, mtp_weights: Tensor,
               prefix_weight: Tensor, prefix_targets: Tensor, block_v: int, num_warps: int,
               programs_per_sm: int, fast_math: bool, fma_exp_passes: int,
-              tanh_sigmoid: bool = False, one_pass: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+              tanh_sigmoid: bool = False, one_pass: bool = False,
+              recompute: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """(loss float32 [T], dz bf16 [T, V], row scale float32 [T]) from x8 e4m3 [T, D] row-major
-    and w8 e4m3 [D, V] column-major (module docstring, forward); dloss/dz = scale[:, None] * dz."""
+    and w8 e4m3 [D, V] column-major (module docstring, forward); dloss/dz = scale[:, None] * dz;
+    with recompute the logits z instead of dz (the backward recomputes the gradient)."""
     z = scaled_mm_body(x8, w8, x_s, w_s, torch.bfloat16, True)  # [T, V], overwritten with dz
     launch = LaunchConfig.from_op_args(block_v, num_warps, programs_per_sm, fast_math, fma_exp_passes,
-                                       tanh_sigmoid, one_pass)
+                                       tanh_sigmoid, one_pass, recompute)
     loss, scale = softcap_ce_rows_(z, targets, mtp_weights, prefix_weight, prefix_targets, launch)
     return loss, z, scale
 
@@ -86,7 +92,8 @@ softcap_ce_fp8_fwd = torch.library.custom_op("t1s::softcap_ce_fp8_fwd", _fwd_bod
 
 @softcap_ce_fp8_fwd.register_fake
 def _fwd_fake(x8, w8, x_s, w_s, targets, mtp_weights, prefix_weight, prefix_targets, block_v,
-              num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False, one_pass=False):
+              num_warps, programs_per_sm, fast_math, fma_exp_passes, tanh_sigmoid=False, one_pass=False,
+              recompute=False):
     t, v = x8.shape[0], w8.shape[1]
     return (x8.new_empty(t, dtype=torch.float32), x8.new_empty((t, v), dtype=torch.bfloat16),
             x8.new_empty(t, dtype=torch.float32))
@@ -102,16 +109,23 @@ class _Fp8SoftcapCE(torch.autograd.Function):
         x8, w8 = quantise_operands(x, w, x_s, w_s)  # [T, D], [D, V] e4m3
         loss, dz, scale = softcap_ce_fp8_fwd(row_major(x8), col_major(w8), x_s, w_s, targets,
                                              mtp_weights, prefix_weight, prefix_targets, *launch_args)
-        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz, scale)
+        ctx.save_for_backward(col_major(x8), row_major(w8), x_s, w_s, grad_s, dz, scale, targets,
+                              mtp_weights, prefix_weight, prefix_targets)
         ctx.dtypes = (x.dtype, w.dtype)
         ctx.num_inputs = 9 + len(launch_args)
+        ctx.launch_args = launch_args
         return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        x8_col, w8_row, x_s, w_s, grad_s, dz, scale = ctx.saved_tensors  # ..., [T, V], [T]
-        # the logit gradient dz * (g * scale)[:, None] quantised, [T, V] row- and column-major
-        g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g.float() * scale)
+        x8_col, w8_row, x_s, w_s, grad_s, dz, scale, *slots = ctx.saved_tensors  # ..., [T, V], [T]
+        g = g.float()  # [T]
+        if launch_arg(ctx.launch_args, "recompute"):  # dz holds the logits: the gradient
+            targets, mtp_weights, prefix_weight, prefix_targets = slots  # recomputed as quantised
+            g8_row, g8_col = fp8_logit_grad(dz, g * scale, g, targets, prefix_targets, mtp_weights,
+                                            prefix_weight, grad_s, ctx.launch_args)
+        else:  # the logit gradient dz * (g * scale)[:, None] quantised, [T, V] row- and column-major
+            g8_row, g8_col = quantise_both_layouts(dz, grad_s, E5M2, row_mul=g * scale)
         dx, dw = fp8_grads_from_quantised(g8_row, g8_col, grad_s, x8_col, w8_row, x_s, w_s,
                                           ctx.dtypes)
         return dx, dw, *([None] * (ctx.num_inputs - 2))

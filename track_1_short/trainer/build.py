@@ -145,16 +145,26 @@ def _fp8_sites(model: GPT) -> tuple[str, ...]:
     return model.config.fp8.sites if isinstance(model.matmuls, Fp8Matmuls) else ()
 
 
-def _install_fused_loss(model: GPT, device: torch.device, enabled: bool, one_pass: bool = False) -> None:
+def _install_fused_loss(model: GPT, device: torch.device, enabled: bool,
+                        schedule: str = "auto") -> None:
     """The fused lm-head + softcapped CE kernel as the training forward's head loss, on CUDA: with
     bf16 GEMMs (kernels/softcap_ce.py), or with `lm_head` among the active fp8 sites its fp8
     GEMMs around the same kernel (kernels/softcap_ce_fp8.py, the lm head's static scale buffers
-    of GPT.matmuls); one_pass: the kernel's one-pass schedule (TrainConfig.fused_loss_one_pass)."""
+    of GPT.matmuls); schedule: the kernel's (TrainConfig.fused_loss_schedule; "auto": recompute
+    with the fp8 head, two_pass with the bf16 one; an explicit "recompute" needs the fp8 head:
+    ValueError naming the setting when fp8 did not install on this device)."""
     if not (enabled and device.type == "cuda"):
         return
     from track_1_short.kernels.softcap_ce import default_launch  # Triton: CUDA hosts only
-    launch = default_launch(one_pass)
-    if "lm_head" in _fp8_sites(model):
+    fp8_head = "lm_head" in _fp8_sites(model)
+    if schedule == "auto":
+        schedule = "recompute" if fp8_head else "two_pass"
+    launch = default_launch(schedule)
+    if launch.recompute and not fp8_head:
+        raise ValueError("train.fused_loss_schedule=recompute needs the fp8 lm head, which is not "
+                         "active on this device (see the fp8 warning above): take "
+                         "train.fused_loss_schedule=one_pass")
+    if fp8_head:
         from track_1_short.kernels.softcap_ce_fp8 import linear_softcap_ce_fp8
         model.head_loss = functools.partial(linear_softcap_ce_fp8, x_s=model.matmuls.lm_head_x_scale,
                                             w_s=model.matmuls.lm_head_w_scale,
@@ -190,14 +200,16 @@ def describe_strategies(model: GPT) -> str:
         loss = ("fused Triton kernel between fp8 GEMMs (kernels/softcap_ce_fp8.py)" if "lm_head" in sites
                 else "fused Triton kernel (kernels/softcap_ce.py)")
         launch = getattr(model.head_loss, "keywords", {}).get("launch")
-        if launch is not None and launch.one_pass:
+        if launch is not None and launch.recompute:
+            loss += " in one pass, the gradient recomputed in the backward (kernels/fp8_logit_grad.py)"
+        elif launch is not None and launch.one_pass:
             loss += " in one pass"
     return f"training forward: {matmuls} matmuls, {loss} loss"
 
 
 def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True,
                        mlp_kernel: str = "torch", grad_scale: float = 1.0,
-                       fused_loss_one_pass: bool = False) -> GPT:
+                       fused_loss_schedule: str = "auto") -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here).
     grad_scale: the training loss's gradient scale (1 / micro-steps; fp8's lm-head scale)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
@@ -207,7 +219,7 @@ def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True
     model.resolve_attention_backend(device)
     _install_fp8(model, device, grad_scale)
     _install_mlp_kernel(model, device, mlp_kernel)
-    _install_fused_loss(model, device, fused_loss, fused_loss_one_pass)
+    _install_fused_loss(model, device, fused_loss, fused_loss_schedule)
     return model
 
 
@@ -218,7 +230,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel,
                        grad_scale=loss_scale(spec.micro_steps),
-                       fused_loss_one_pass=cfg.train.fused_loss_one_pass)  # 1.-3.
+                       fused_loss_schedule=cfg.train.fused_loss_schedule)  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
