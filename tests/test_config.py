@@ -107,9 +107,10 @@ def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
     assert re.search(needle, capsys.readouterr().err)
 
 
-def test_max_autotune_reaches_the_training_forward_only(monkeypatch):
-    """TrainConfig.max_autotune: inductor's max_autotune option on the training forward's compile
-    (eval_ce compiles without it); it needs the compiled model with the inductor backend."""
+def test_inductor_tuning_reaches_the_training_forward_only(monkeypatch):
+    """TrainConfig.max_autotune and coordinate_descent_tuning: inductor's options of those names on
+    the training forward's compile (eval_ce compiles without them); each needs the compiled model
+    with the inductor backend."""
     import torch
 
     from track_1_short.model.gpt import GPT, GPTConfig
@@ -118,17 +119,20 @@ def test_max_autotune_reaches_the_training_forward_only(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
     model = GPT(GPTConfig.tiny())
-    for autotune in (False, True):
+    for autotune, cdt in ((False, False), (True, False), (False, True), (True, True)):
         calls.clear()
-        train = TrainConfig(max_autotune=autotune)
+        train = TrainConfig(max_autotune=autotune, coordinate_descent_tuning=cdt)
         forward_fn, eval_fn = build.compile_model(model, train)
-        assert [c.get("options") for c in calls] == [{"max_autotune": True} if autotune else None, None]
+        expect = {**({"max_autotune": True} if autotune else {}),
+                  **({"coordinate_descent_tuning": True} if cdt else {})} or None
+        assert [c.get("options") for c in calls] == [expect, None]
         assert all(c["fullgraph"] and c["dynamic"] is False for c in calls)
     calls.clear()
     assert build.compile_model(model, TrainConfig(compile=False)) == (model, model.eval_ce) and not calls
     for bad in (dict(compile=False), dict(compile_backend="aot_eager")):
-        with pytest.raises(ValueError, match="max_autotune needs the compiled model"):
-            TrainConfig(max_autotune=True, **bad)
+        for name in ("max_autotune", "coordinate_descent_tuning"):
+            with pytest.raises(ValueError, match=f"{name} needs the compiled model"):
+                TrainConfig(**{name: True}, **bad)
 
 
 def test_every_trainer_flag_has_a_row_in_the_readme():

@@ -119,7 +119,7 @@ def _spied_trunk(model: GPT, inputs, cu, slots):
     attention_block, mlp_block = model._attention_block, model._mlp_block
 
     def spy_attention(i, x, *args):
-        attn_in[i] = (args[-2], x)  # (attention input, residual); args[-1] is the LayerMix
+        attn_in[i] = (args[-3], x)  # (attention input, residual); then the LayerMix, BankViews
         return attention_block(i, x, *args)
 
     def spy_mlp(i, x, *args):
@@ -185,6 +185,39 @@ def test_loss_at_init_close_to_uniform():
     loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0]))
     assert loss.shape == (256,) and loss.dtype == torch.float32
     assert abs(loss.mean().item() - math.log(VOCAB)) < 0.05
+
+
+def _consumers(root, leaf: torch.Tensor) -> int:
+    """Autograd nodes under `root` that take `leaf`'s gradient (edges into its AccumulateGrad)."""
+    seen, stack, count = set(), [root], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and getattr(nxt, "variable", None) is leaf:
+                count += 1
+            stack.append(nxt)
+    return count
+
+
+def test_each_bank_is_read_once_per_forward():
+    """Every layer reads its matrices from one unbind per bank (model/gpt.BankViews): a bank's
+    gradient is then one stack, not a sum of one full-bank select backward per layer (which
+    inductor fuses into a kernel reading every layer's gradient for each element). The pads get a
+    zero gradient."""
+    model = _model()
+    inputs, targets, cu = _batch(128, 8, 3)
+    loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0])).sum()
+    for name in ("qk_bank", "vo_bank", "mlp_bank"):
+        assert _consumers(loss.grad_fn, getattr(model, name)) == 1, name
+    loss.backward()
+    n_qk = len(model.attn_slot) * model.config.num_heads
+    assert model.qk_bank.grad[n_qk:].abs().sum() == 0 and model.qk_bank.grad[:n_qk].abs().sum() > 0
+    assert model.vo_bank.grad[2 * len(model.attn_slot):].abs().sum() == 0
+    nl = model.config.num_layers
+    assert model.mlp_bank.grad[nl:].abs().sum() == 0 and model.mlp_bank.grad[:nl, 1].abs().sum() > 0
 
 
 def test_training_loss_terms_against_eval_and_direct_references():

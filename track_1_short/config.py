@@ -112,6 +112,13 @@ class TrainConfig:
     # Triton templates, pointwise epilogues (ReLU^2 and its derivative) fused into the winners;
     # longer compiles (off until measured: scripts/gpu/fp8_step.sh's `autotune` variant)
     max_autotune: bool = False
+    # inductor's coordinate_descent_tuning for the training forward + backward: each generated
+    # Triton kernel's block sizes and warps benchmarked around its heuristic config at compile
+    # (the rms-norm, rotary and pointwise kernels); off: on the H200 one stage-C key had not
+    # finished compiling with it after 211 s, against 115 s for a whole bench run without
+    # (docs/results/vs_record_h200_2026-12-03_lease15/call1), so four keys would break the
+    # warmup budget; its effect on kernel time is not measured
+    coordinate_descent_tuning: bool = False
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
     # file exists, rewritten (atomically) after warmup, where every graph of the run compiles.
     # None: inductor's on-disk cache only.
@@ -186,9 +193,11 @@ class TrainConfig:
         if self.fused_loss_schedule not in ("auto", "two_pass") and not self.fused_loss:
             raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule} is a schedule of "
                              f"the fused loss: drop --no-fused-loss, or the schedule setting")
-        if self.max_autotune and (not self.compile or self.compile_backend != "inductor"):
-            raise ValueError("TrainConfig.max_autotune needs the compiled model with the inductor "
-                             f"backend (compile={self.compile}, compile_backend={self.compile_backend!r})")
+        for name in ("max_autotune", "coordinate_descent_tuning"):
+            if getattr(self, name) and (not self.compile or self.compile_backend != "inductor"):
+                raise ValueError(f"TrainConfig.{name} needs the compiled model with the inductor "
+                                 f"backend (compile={self.compile}, compile_backend="
+                                 f"{self.compile_backend!r})")
         if self.warmup_only and not self.compile:
             raise ValueError("--warmup-only: an uncompiled model has nothing to warm up (drop "
                              "--no-compile)")
