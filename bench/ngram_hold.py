@@ -12,6 +12,9 @@ T tokens x 8 micro-batches of a training shard, with the speedrun's NgramConfig 
 - index_add        the accumulation alone;  index_fill  the flags alone
 - index_put_accumulate   the same accumulation through index_put_(accumulate=True) (sort-based)
 - index_add_sorted       index_add_ with the ids pre-sorted (fewer atomics in flight per row)
+- row_accumulate         kernels/row_accumulate.py (a stable sort of the ids, one add per distinct
+                         row, no atomics; CUDA only), and hold_sorted: the hold through it
+                         (NgramStore(accumulate="sorted"), train.ngram_accumulate=sorted)
 - copy             a plain copy of one [2T, 768] float32 tensor (the memory-bound reference)
 and the row statistics of the micro-batch (distinct rows, the most repeated row's count).
 Run (H200): PYTHONPATH=. python bench/ngram_hold.py --stage C --out docs/results/ngram_hold_h200_C.json
@@ -84,6 +87,16 @@ def measure(args) -> dict:
         "index_add_sorted": lambda i: acc.index_add_(0, sorted_ids, grad),
         "copy": lambda i: grad.clone(),
     }
+    if device.type == "cuda":
+        from track_1_short.kernels.row_accumulate import row_accumulate_
+        fast = NgramStore(lookup, cycle=2, micro_steps=MICRO_BATCHES, accumulate="sorted")
+
+        def hold_sorted(i):
+            fast.hold(grad, ids[i % MICRO_BATCHES])
+            fast.pending = 0
+
+        ops["row_accumulate"] = lambda i: row_accumulate_(acc, ids[i % MICRO_BATCHES], grad)
+        ops["hold_sorted"] = hold_sorted
     result = {"stage": args.stage, "tokens_per_micro_step": T, "rows": cfg.num_rows, "dim": cfg.dim,
               "distinct_rows_per_micro_step": int(ids[0].unique().numel()),
               "most_repeated_row_count": int(ids[0].bincount().max()), "ops_ms": {}}

@@ -309,6 +309,12 @@ def test_validation_smaller_than_the_ranks_is_refused(tmp_path, capsys):
     (["--preset", "small-gpu"], "--preset small-gpu needs a CUDA GPU"),
     (["--preset", "speedrun"], "--preset speedrun needs a CUDA GPU"),
     (["--device", "cuda"], "--device cuda: no CUDA device is available"),
+    (["--preset", "cpu-tiny", "--set", "train.ngram_accumulate=sorted"],
+     "--set train.ngram_accumulate=sorted runs a CUDA kernel and this run is on the CPU"),
+    (["--preset", "cpu-tiny", "--mlp-kernel", "quack"],
+     "--mlp-kernel quack runs a CUDA kernel and this run is on the CPU"),
+    (["--preset", "cpu-tiny", "--set", "model.attention_backend=fa4"],
+     "--set model.attention_backend: attention backend 'fa4' cannot run on cpu"),
 ])
 def test_gpu_settings_on_a_cpu_machine_exit_2(argv, needle, tmp_path, capsys):
     cfg = config_mod.parse([*argv, "--runs-dir", str(tmp_path)])

@@ -38,6 +38,7 @@ from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, St
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
+NGRAM_ACCUMULATES = ("index_add", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
 FUSED_LOSS_SCHEDULES = ("auto", "two_pass", "one_pass", "recompute")  # TrainConfig.fused_loss_schedule
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 # --model-profile NAME: a named set of model fields (as --set items), applied after the other
@@ -146,6 +147,11 @@ class TrainConfig:
     # forward and backward (captured into the step graphs; perf/ngram_store.py "Rows inside the
     # step"); False: around them, eagerly, as with several ranks (where the pull is a collective)
     ngram_rows_in_step: bool = True
+    # how the n-gram hold sums a micro-step's sink gradient into the row accumulator
+    # (perf/ngram_store.py, NgramStore's accumulate): "index_add" (index_add_, a float32 atomic
+    # per element; the fastest measured) or "sorted" (CUDA: a sort of the row ids and one add per
+    # distinct row, deterministic; kernels/row_accumulate.py: 1.6x index_add_'s time at stage C)
+    ngram_accumulate: str = "index_add"
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
     # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with
@@ -185,6 +191,9 @@ class TrainConfig:
         if self.compile_cache is not None and not self.compile:
             raise ValueError(f"--compile-cache {self.compile_cache}: needs the compiled model "
                              f"(drop --no-compile)")
+        if self.ngram_accumulate not in NGRAM_ACCUMULATES:
+            raise ValueError(f"train.ngram_accumulate={self.ngram_accumulate!r}: one of "
+                             f"{NGRAM_ACCUMULATES}")
         if self.mlp_kernel not in MLP_KERNELS:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
         if self.fused_loss_schedule not in FUSED_LOSS_SCHEDULES:

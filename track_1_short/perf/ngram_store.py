@@ -39,8 +39,8 @@ at the head of the forward (row ids, the cache rows, the packed slots, written i
 (`hold(None, None)`). Both are the same functions `slots_for` and `hold` run around the step.
 
 Held gradients (`hold(grad [2T, R], ids [2T])`, right after each backward): summed at once into
-a dense row accumulator `grad_acc` [ROWS, R] (index_add_) and the rows flagged in `touched`
-[ROWS], so the sink gradient is read before the next backward replay rewrites the graph's buffer
+a dense row accumulator `grad_acc` [ROWS, R] (index_add_, or with `accumulate="sorted"` the
+atomic-free kernels/row_accumulate.py) and the rows flagged in `touched` [ROWS], so the sink gradient is read before the next backward replay rewrites the graph's buffer
 (no copy, no ring; the accumulator is 2.3 GB at the speedrun's table, the ring it replaced held
 cycle x micro-steps gradients, 4.8 GB at stage C). The bound is built at construction from the
 schedule's cycle and the run's micro-steps (`NgramStore(lookup, cycle=ScheduleConfig.ngram_cycle,
@@ -84,6 +84,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from track_1_short.config import NGRAM_ACCUMULATES
 from track_1_short.model.ngram_lookup import NgramLookup
 
 
@@ -120,6 +121,21 @@ def _event_kernel():
     return sparse_adam_rows
 
 
+def _accumulate_kernel(name: str, device: torch.device):
+    """The hold's row accumulation: None for index_add_ (atomics; the reference), else the
+    atomic-free sorted-run kernel (kernels/row_accumulate.py; CUDA only, Triton imported there)."""
+    if name not in NGRAM_ACCUMULATES:
+        raise ValueError(f"NgramStore: accumulate={name!r}: one of {NGRAM_ACCUMULATES} "
+                         f"(TrainConfig.ngram_accumulate)")
+    if name == "index_add":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"NgramStore: accumulate='sorted' is a CUDA kernel, the table is on "
+                         f"{device}; use 'index_add' (train.ngram_accumulate=index_add)")
+    from track_1_short.kernels.row_accumulate import row_accumulate_
+    return row_accumulate_
+
+
 def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
     """[N] ids, [N, R] grads -> [U] unique ids (sorted), [U, R] summed grads."""
     rows, inverse = ids.unique(return_inverse=True)
@@ -132,9 +148,13 @@ class NgramStore(nn.Module):
     sparse Adam moments, the row pull into the lookup's cache, the held sink gradients and the
     update events that apply them."""
 
-    def __init__(self, lookup: NgramLookup, *, cycle: int, micro_steps: int):
+    def __init__(self, lookup: NgramLookup, *, cycle: int, micro_steps: int,
+                 accumulate: str = "index_add"):
         """`cycle`: steps between update events (ScheduleConfig.ngram_cycle); `micro_steps`: held
-        gradients per step (RunSpec.micro_steps). Both only bound the held gradients."""
+        gradients per step (RunSpec.micro_steps). Both only bound the held gradients.
+        `accumulate`: how accumulate_ sums a sink gradient into grad_acc
+        (TrainConfig.ngram_accumulate, one of config.NGRAM_ACCUMULATES): "index_add" (index_add_, float32 atomics) or "sorted"
+        (CUDA: kernels/row_accumulate.py, a sort and one add per distinct row, no atomics)."""
         super().__init__()
         if cycle < 1 or micro_steps < 1:
             raise ValueError(f"NgramStore: cycle={cycle} (ScheduleConfig.ngram_cycle) and "
@@ -160,6 +180,7 @@ class NgramStore(nn.Module):
         # The event's kernel on one CUDA rank (kernels/ngram_adam.py; Triton is imported only on
         # CUDA hosts); None runs the reference. Tests set it to compare the two.
         self.event_kernel = _event_kernel() if device.type == "cuda" else None
+        self.accumulate_kernel = _accumulate_kernel(accumulate, device)
         self.rank, self.world_size, self.group = 0, 1, None
         self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
 
@@ -289,7 +310,11 @@ class NgramStore(nn.Module):
         trigram row's lazy Adam step would be a no-op). No host sync: the step runner captures it
         at the tail of its backward with rows_in_step."""
         ids, ngram_grad = self.lookup.read_rows(ids, ngram_grad)
-        self.grad_acc.index_add_(0, ids, ngram_grad.to(self.grad_acc.dtype))  # [ROWS, R]
+        grad = ngram_grad.to(self.grad_acc.dtype)
+        if self.accumulate_kernel is not None:
+            self.accumulate_kernel(self.grad_acc, ids, grad)  # [ROWS, R]
+        else:
+            self.grad_acc.index_add_(0, ids, grad)  # [ROWS, R]
         self.touched.index_fill_(0, ids, 1)  # [ROWS]
 
     def baked_tensors(self):

@@ -235,7 +235,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,
-                       micro_steps=spec.micro_steps)
+                       micro_steps=spec.micro_steps, accumulate=cfg.train.ngram_accumulate)
     if ctx.world_size > 1:
         ngram.shard(ctx.rank, ctx.world_size)
     optimizer = make_optimizer_graphs(  # 5. (its step captured per cadence with --graphs on)

@@ -12,7 +12,8 @@ Order (train.py): `check_device(cfg)` before the process group starts (it binds 
 default run id is rank 0's, broadcast). Nothing here writes: the run dir is claimed afterwards
 (run_dir.claim_run_dir), so a run refused here leaves nothing behind.
 
-Checks: the device; every train and val shard's header, size, token range and BOS (data.check_shards,
+Checks: the device, and on a CPU run the settings that name a CUDA kernel (--mlp-kernel quack,
+train.ngram_accumulate=sorted, an attention backend the model refuses on the CPU); every train and val shard's header, size, token range and BOS (data.check_shards,
 a vectorised pass over a memmap: ~0.1 s per 100M-token shard); the validation set holds at least
 one batch per rank; the document capacity of each stage's micro-batches and of a validation batch
 (the cu_seqlens length its graphs bake): where the config leaves it None (every preset), the most
@@ -38,6 +39,7 @@ from track_1_short.config import RunConfig
 from track_1_short.data import (DataError, ShardStats, capacity_rows, check_shards, load_val_tokens,
                                 max_val_pieces, num_val_slices, worst_case_pieces)
 from track_1_short.distributed import DistributedContext
+from track_1_short.model.attention import resolve_backend
 from track_1_short.schedule import Schedule
 from track_1_short.trainer.checkpoint import CheckpointError, CheckpointInfo, resolve_resume
 from track_1_short.trainer.state import micro_steps_per_rank
@@ -61,7 +63,20 @@ class Preflight:
 
 
 def check_device(cfg: RunConfig) -> None:
-    """Before any CUDA call: a CUDA device where the config needs one."""
+    """Before any CUDA call: a CUDA device where the config needs one (the preset, --device cuda,
+    and the CUDA-only kernels a setting names)."""
+    on_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
+    if not on_cuda:
+        kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
+                   "--set train.ngram_accumulate=sorted": cfg.train.ngram_accumulate == "sorted"}
+        for setting in (name for name, asked in kernels.items() if asked):
+            raise PreflightError(f"{setting} runs a CUDA kernel and this run is on the CPU (device cpu); drop it "
+                                 f"(the defaults: --mlp-kernel torch, train.ngram_accumulate="
+                                 f"index_add) or run on a GPU host")
+        try:  # the model's own rule (model/attention.resolve_backend), without touching CUDA
+            resolve_backend(cfg.model.attention_backend, torch.device("cpu"))
+        except ValueError as e:
+            raise PreflightError(f"--set model.attention_backend: {e}") from None
     if torch.cuda.is_available():
         return
     if cfg.train.device == "cuda":
