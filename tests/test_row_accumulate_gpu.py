@@ -7,7 +7,7 @@ tokens (the reserved rows repeat), and ids skewed so that hot rows repeat thousa
 kernel's sum against index_add_'s from the same accumulator within float32 rounding, rows no id
 names bit-equal; a CUDA graph of the kernel (sort included) replayed twice equals two eager calls,
 and no call syncs the host (torch.cuda.set_sync_debug_mode("error")). The time of both (CUDA
-events, median of 20) is printed: a measurement, not asserted (bench/ngram_hold.py and
+events, median of 20 back-to-back calls) is printed: a measurement, not asserted (bench/ngram_hold.py and
 bench/step.py --set train.ngram_accumulate=sorted are the benchmarks).
 Hardware: one CUDA GPU with ~12 GB free. Run: `PYTHONPATH=. python -m pytest -m gpu -s
 tests/test_row_accumulate_gpu.py`.
@@ -23,6 +23,7 @@ pytestmark = [
 
 pytest.importorskip("triton")
 
+from bench.common import time_steps  # noqa: E402
 from track_1_short.kernels.row_accumulate import row_accumulate_  # noqa: E402
 from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
 from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
@@ -40,15 +41,8 @@ def _ids(kind: str, tokens: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _median_ms(fn, n: int = 20) -> float:
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[n // 2]
+    """Median of n back-to-back calls, CUDA events at their boundaries (bench/common.time_steps)."""
+    return time_steps(lambda i: fn(), n, torch.device("cuda"))["median_ms"]
 
 
 @pytest.mark.parametrize("tokens", [16_384, 49_152])  # stage A, stage C
