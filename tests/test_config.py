@@ -108,10 +108,11 @@ def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
     assert re.search(needle, capsys.readouterr().err)
 
 
-def test_inductor_tuning_reaches_the_training_forward_only(monkeypatch):
-    """TrainConfig.max_autotune and coordinate_descent_tuning: inductor's options of those names on
-    the training forward's compile (eval_ce compiles without them); each needs the compiled model
-    with the inductor backend."""
+def test_inductor_options_reach_the_training_forward_only(monkeypatch):
+    """TrainConfig.max_autotune, coordinate_descent_tuning and inductor_pdl: inductor's options
+    max_autotune, coordinate_descent_tuning and triton.enable_pdl on the training forward's
+    compile (eval_ce compiles without them); each needs the compiled model with the inductor
+    backend."""
     import torch
 
     from track_1_short.model.gpt import GPT, GPTConfig
@@ -120,18 +121,20 @@ def test_inductor_tuning_reaches_the_training_forward_only(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
     model = GPT(GPTConfig.tiny())
-    for autotune, cdt in ((False, False), (True, False), (False, True), (True, True)):
+    for autotune, cdt, pdl in ((False, False, False), (True, False, False), (False, True, False),
+                               (False, False, True), (True, True, True)):
         calls.clear()
-        train = TrainConfig(max_autotune=autotune, coordinate_descent_tuning=cdt)
+        train = TrainConfig(max_autotune=autotune, coordinate_descent_tuning=cdt, inductor_pdl=pdl)
         forward_fn, eval_fn = build.compile_model(model, train)
         expect = {**({"max_autotune": True} if autotune else {}),
-                  **({"coordinate_descent_tuning": True} if cdt else {})} or None
+                  **({"coordinate_descent_tuning": True} if cdt else {}),
+                  **({"triton.enable_pdl": True} if pdl else {})} or None
         assert [c.get("options") for c in calls] == [expect, None]
         assert all(c["fullgraph"] and c["dynamic"] is False for c in calls)
     calls.clear()
     assert build.compile_model(model, TrainConfig(compile=False)) == (model, model.eval_ce) and not calls
     for bad in (dict(compile=False), dict(compile_backend="aot_eager")):
-        for name in ("max_autotune", "coordinate_descent_tuning"):
+        for name in ("max_autotune", "coordinate_descent_tuning", "inductor_pdl"):
             with pytest.raises(ValueError, match=f"{name} needs the compiled model"):
                 TrainConfig(**{name: True}, **bad)
 

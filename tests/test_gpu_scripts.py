@@ -7,6 +7,7 @@ a combination the config refuses fails here on the CPU instead of in a device ca
 Hardware: CPU only, a few seconds. Run: `.venv/bin/python -m pytest tests/test_gpu_scripts.py -q`.
 """
 
+import json
 import re
 import shlex
 import subprocess
@@ -185,3 +186,33 @@ def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):
     _fake_fa4_carry(tmp_path, corrupt=True)
     result = _fa4_install(tmp_path)
     assert result.returncode == 2 and "does not match .carry/fa4a/SHA256SUMS" in result.stderr
+
+
+def test_choose_then_vs_record_settings_parse(tmp_path):
+    """scripts/gpu/choose_then_vs_record.sh's fast set, with the candidate the next lease tries
+    (train.inductor_pdl), as bench/step.py reads them; and its compare mode's choice from the
+    first call's JSONs: a candidate 0.3% faster wins, a slower or a missing one does not."""
+    text = (GPU / "choose_then_vs_record.sh").read_text()
+    fast = re.search(r'FAST="([^"]+)"', text, flags=re.S).group(1).replace("\\\n", " ").split()
+    flags = [f for item in [*fast, "train.inductor_pdl=true"] for f in ("--set", item)]
+    args = bench_step.parse(["--stage", "C", "--data-dir", str(tmp_path), *flags,
+                             "--out", str(tmp_path / "o.json")])
+    cfg = bench_step.base_config(args)
+    assert cfg.train.inductor_pdl and cfg.model.attention_backend == "fa4"
+    choice = re.search(r"<<'PY'\n(.*?)\nPY\n", text, flags=re.S).group(1)
+    (tmp_path / "build" / "choose").mkdir(parents=True)
+
+    def decide(base_ms, cand_ms, warmups=(70, 80)):
+        for name, ms, w in (("base", base_ms, warmups[0]), ("candidate", cand_ms, warmups[1])):
+            if ms is not None:
+                (tmp_path / "build" / "choose" / f"c_{name}.json").write_text(json.dumps(
+                    {"variants": {"on": {"step_ms": {"median_ms": ms}, "warmup_s": w}}}))
+        out = subprocess.run([sys.executable, "-c", choice], cwd=tmp_path, capture_output=True,
+                             text=True, env={"MIN_GAIN": "0.003"})
+        return out.stdout.split()[0]
+
+    assert decide(600.0, 597.0) == "yes"
+    assert decide(600.0, 599.0) == "no"  # 0.17%: inside the noise
+    assert decide(600.0, 590.0, warmups=(70, 200)) == "no"  # 130 s more warmup
+    (tmp_path / "build" / "choose" / "c_candidate.json").unlink()
+    assert decide(600.0, None) == "no"

@@ -38,6 +38,10 @@ from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, St
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
+# TrainConfig's switches of inductor options for the training forward: field -> option name
+INDUCTOR_OPTIONS = {"max_autotune": "max_autotune",
+                    "coordinate_descent_tuning": "coordinate_descent_tuning",
+                    "inductor_pdl": "triton.enable_pdl"}
 NGRAM_ACCUMULATES = ("index_add", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
 FUSED_LOSS_SCHEDULES = ("auto", "two_pass", "one_pass", "recompute")  # TrainConfig.fused_loss_schedule
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
@@ -120,6 +124,12 @@ class TrainConfig:
     # (docs/results/vs_record_h200_2026-12-03_lease15/call1), so four keys would break the
     # warmup budget; its effect on kernel time is not measured
     coordinate_descent_tuning: bool = False
+    # inductor's programmatic dependent launch (its triton.enable_pdl) for the training forward +
+    # backward: on Hopper each generated Triton kernel may launch while the kernel before it
+    # drains and waits for its data in-kernel, which shortens the ~1 us gap at each of the
+    # ~6,000 kernel boundaries per stage-C step (idle 0.9-1.0% of the step on the H200,
+    # docs/results/vs_record_h200_2026-12-03_lease15); off until measured
+    inductor_pdl: bool = False
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
     # file exists, rewritten (atomically) after warmup, where every graph of the run compiles.
     # None: inductor's on-disk cache only.
@@ -202,7 +212,7 @@ class TrainConfig:
         if self.fused_loss_schedule not in ("auto", "two_pass") and not self.fused_loss:
             raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule} is a schedule of "
                              f"the fused loss: drop --no-fused-loss, or the schedule setting")
-        for name in ("max_autotune", "coordinate_descent_tuning"):
+        for name in INDUCTOR_OPTIONS:
             if getattr(self, name) and (not self.compile or self.compile_backend != "inductor"):
                 raise ValueError(f"TrainConfig.{name} needs the compiled model with the inductor "
                                  f"backend (compile={self.compile}, compile_backend="

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from track_1_short.config import RunConfig, TrainConfig
+from track_1_short.config import INDUCTOR_OPTIONS, RunConfig, TrainConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
 from track_1_short.distributed import DistributedContext
 from track_1_short.model.fp8 import Fp8Matmuls
@@ -176,13 +176,13 @@ def _install_fused_loss(model: GPT, device: torch.device, enabled: bool,
 
 def compile_model(model: GPT, train: TrainConfig):
     """(training forward, eval_ce): torch.compile(fullgraph=True, dynamic=False) of each with
-    TrainConfig.compile (the training forward with inductor's max_autotune and
-    coordinate_descent_tuning when asked), else the model itself and its eval_ce."""
+    TrainConfig.compile (the training forward with the inductor options its switches ask for,
+    config.INDUCTOR_OPTIONS), else the model itself and its eval_ce."""
     if not train.compile:
         return model, model.eval_ce
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    options = {name: True for name in ("max_autotune", "coordinate_descent_tuning")
-               if getattr(train, name)} or None
+    options = {option: True for field, option in INDUCTOR_OPTIONS.items()
+               if getattr(train, field)} or None
     forward_fn = torch.compile(model, fullgraph=True, dynamic=False, backend=train.compile_backend,
                                options=options)
     eval_fn = torch.compile(model.eval_ce, fullgraph=True, dynamic=False, backend=train.compile_backend)

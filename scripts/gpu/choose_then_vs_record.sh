@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A candidate setting tried at stage C, then our fast step against the record's at A and C with
+# it where it won: two device calls on one warm machine (the second within the first's idle window,
+# ~30 s), from the repo root ($OUT: the tool's folder):
+#   CANDIDATE="train.inductor_pdl=true" bash scripts/gpu/choose_then_vs_record.sh choose
+#       carry [".carry/fa4a", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
+#       "data/embedded"]: 1. the record's timing at its stages 0 and 2 (its compile caches in
+#       .carry/anchor_work, for the second call); 2. ours at C (8 micro-steps, graphs on; the fp8
+#       lm head in the recompute schedule with the default attention and MLP: fa4 and quack come
+#       only with the second call's carry) as it is, then with each --set item of CANDIDATE; both
+#       JSONs to $OUT and to build/choose/ (kept by the warm machine), the baseline's trace too.
+#   bash scripts/gpu/choose_then_vs_record.sh compare
+#       carry [".carry/fa4b", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
+#       "data/embedded"]: scripts/gpu/vs_record.sh at A and C with FlashAttention 4, the quack
+#       MLP and the fp8 lm head (recompute), plus CANDIDATE (as build/choose/ recorded it) where
+#       the first call measured it at least MIN_GAIN (default 0.003) faster at C with at most 60 s
+#       more warmup; the choice in $OUT/choice.txt.
+# Measured 2026-12-03 (as docs/results/scripts/lease15_call1.sh and call2.sh): choose took 583 s
+# (the record's warm-up ~250 s, a cold baseline 115 s), compare 503 s.
+source scripts/gpu/common.sh  # run from the repo root
+MODE=${1:-}
+FAST="model.attention_backend=fa4 train.mlp_kernel=quack model.fp8.enabled=true \
+model.fp8.sites=lm_head train.fused_loss_schedule=recompute"
+case "$MODE" in
+  choose)
+    [[ -n "${CANDIDATE:-}" ]] || { echo "choose_then_vs_record.sh: set CANDIDATE (--set items)" >&2; exit 2; }
+    run_anchor timing 250 TIMING_STAGES=0,2
+    cp "$OUT/anchor/timing.json" "$OUT/record_warm_timing.json" 2>/dev/null
+    rm -rf build/choose && mkdir -p build/choose "$OUT/traces"
+    echo "$CANDIDATE" > build/choose/candidate.txt
+    base=(--stage C --steps 20 --graphs on --micro-steps 8 --data-dir data/embedded
+          --set model.fp8.enabled=true --set model.fp8.sites=lm_head --set train.fused_loss_schedule=recompute)
+    cand=()
+    for item in $CANDIDATE; do cand+=(--set "$item"); done
+    timeout -k 10 170 python3 bench/step.py "${base[@]}" --trace-dir "$OUT/traces" \
+        --out "$OUT/c_base.json" > "$L/c_base.log" 2>&1
+    echo "exit $? after $(elapsed) s" >> "$L/c_base.log"
+    timeout -k 10 $(( $(left) - 10 )) python3 bench/step.py "${base[@]}" "${cand[@]}" \
+        --out "$OUT/c_candidate.json" > "$L/c_candidate.log" 2>&1
+    echo "exit $? after $(elapsed) s" >> "$L/c_candidate.log"
+    cp "$OUT"/c_*.json build/choose/ 2>/dev/null
+    tail -n 3 "$L"/c_*.log
+    pack_outputs anchor ;;
+  compare)
+    candidate=$(cat build/choose/candidate.txt 2>/dev/null)
+    won=$(MIN_GAIN=${MIN_GAIN:-0.003} python3 - <<'PY'
+import json, os
+try:
+    b, c = (json.load(open(f"build/choose/c_{n}.json"))["variants"]["on"] for n in ("base", "candidate"))
+    gain = 1 - c["step_ms"]["median_ms"] / b["step_ms"]["median_ms"]
+    ok = gain >= float(os.environ["MIN_GAIN"]) and c["warmup_s"] - b["warmup_s"] <= 60
+    print(f"{'yes' if ok else 'no'} (gain {gain:.4f}, warmup {b['warmup_s']:.0f} -> {c['warmup_s']:.0f} s)")
+except (OSError, KeyError, ValueError) as e:
+    print(f"no (the first call's JSON: {type(e).__name__} {e})")
+PY
+)
+    echo "candidate '${candidate:-none}': $won" | tee "$OUT/choice.txt"
+    set_items=$FAST
+    [[ "$won" == yes* ]] && set_items="$FAST $candidate"
+    STAGES="A C" DATA=data/embedded OURS_SET="$set_items" bash scripts/gpu/vs_record.sh ;;
+  *) echo "choose_then_vs_record.sh: MODE is choose or compare, not '$MODE'" >&2; exit 2 ;;
+esac
