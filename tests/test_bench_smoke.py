@@ -105,6 +105,20 @@ def test_optimizer_bench_smoke(tmp_path):
     assert set(data["compiled_over_eager"]) == {"even", "odd"}
 
 
+def test_loss_kernel_sweep_rows_are_launch_configs():
+    """Every --sweep row of bench/loss_kernel.py builds a LaunchConfig (a row that the config
+    refuses would only fail in a device call); the recompute forward's rows are there."""
+    pytest.importorskip("triton")
+    from bench import loss_kernel
+    from track_1_short.kernels import softcap_ce
+
+    pad = len(softcap_ce.LAUNCH_FIELDS)
+    launches = [softcap_ce.LaunchConfig.from_op_args(*row, *(False,) * (pad - len(row)))
+                for row in loss_kernel.SWEEP]
+    assert len(set(launches)) == len(launches)  # no row twice
+    assert sum(launch.recompute for launch in launches) >= 5
+
+
 @pytest.mark.slow
 def test_loss_kernel_bench_smoke(tmp_path):
     pytest.importorskip("triton")
