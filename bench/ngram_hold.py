@@ -73,14 +73,16 @@ def measure(args) -> dict:
     grad = torch.randn(2 * T, cfg.dim, device=device)  # [2T, R]
     sorted_ids = ids[0].sort().values
 
-    def hold(i):
-        store.hold(grad, ids[i % MICRO_BATCHES])
-        store.pending = 0  # no event in this bench: only the bound is reset
+    def hold_of(held: NgramStore):
+        def hold(i):
+            held.hold(grad, ids[i % MICRO_BATCHES])
+            held.pending = 0  # no event in this bench: only the bound is reset
+        return hold
 
     ops = {
         "row_ids": lambda i: lookup.row_ids(batches[i % MICRO_BATCHES]),
         "slots_for": lambda i: store.slots_for(batches[i % MICRO_BATCHES], ids[i % MICRO_BATCHES]),
-        "hold": hold,
+        "hold": hold_of(store),
         "index_add": lambda i: acc.index_add_(0, ids[i % MICRO_BATCHES], grad),
         "index_fill": lambda i: store.touched.index_fill_(0, ids[i % MICRO_BATCHES], 1),
         "index_put_accumulate": lambda i: acc.index_put_((ids[i % MICRO_BATCHES],), grad, accumulate=True),
@@ -89,14 +91,9 @@ def measure(args) -> dict:
     }
     if device.type == "cuda":
         from track_1_short.kernels.row_accumulate import row_accumulate_
-        fast = NgramStore(lookup, cycle=2, micro_steps=MICRO_BATCHES, accumulate="sorted")
-
-        def hold_sorted(i):
-            fast.hold(grad, ids[i % MICRO_BATCHES])
-            fast.pending = 0
-
+        sorted_store = NgramStore(lookup, cycle=2, micro_steps=MICRO_BATCHES, accumulate="sorted")
         ops["row_accumulate"] = lambda i: row_accumulate_(acc, ids[i % MICRO_BATCHES], grad)
-        ops["hold_sorted"] = hold_sorted
+        ops["hold_sorted"] = hold_of(sorted_store)
     result = {"stage": args.stage, "tokens_per_micro_step": T, "rows": cfg.num_rows, "dim": cfg.dim,
               "distinct_rows_per_micro_step": int(ids[0].unique().numel()),
               "most_repeated_row_count": int(ids[0].bincount().max()), "ops_ms": {}}

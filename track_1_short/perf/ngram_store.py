@@ -40,9 +40,10 @@ at the head of the forward (row ids, the cache rows, the packed slots, written i
 
 Held gradients (`hold(grad [2T, R], ids [2T])`, right after each backward): summed at once into
 a dense row accumulator `grad_acc` [ROWS, R] (index_add_, or with `accumulate="sorted"` the
-atomic-free kernels/row_accumulate.py) and the rows flagged in `touched` [ROWS], so the sink gradient is read before the next backward replay rewrites the graph's buffer
-(no copy, no ring; the accumulator is 2.3 GB at the speedrun's table, the ring it replaced held
-cycle x micro-steps gradients, 4.8 GB at stage C). The bound is built at construction from the
+atomic-free kernels/row_accumulate.py) and the rows flagged in `touched` [ROWS], so the sink
+gradient is read before the next backward replay rewrites the graph's buffer (no copy, no ring;
+the accumulator is 2.3 GB at the speedrun's table, the ring it replaced held cycle x micro-steps
+gradients, 4.8 GB at stage C). The bound is built at construction from the
 schedule's cycle and the run's micro-steps (`NgramStore(lookup, cycle=ScheduleConfig.ngram_cycle,
 micro_steps=RunSpec.micro_steps)`): `max_held = cycle x micro_steps`, exactly reached on the last
 micro-step of a (non-final) event step. A hold past it is a RuntimeError: an event the plan has
@@ -152,9 +153,10 @@ class NgramStore(nn.Module):
                  accumulate: str = "index_add"):
         """`cycle`: steps between update events (ScheduleConfig.ngram_cycle); `micro_steps`: held
         gradients per step (RunSpec.micro_steps). Both only bound the held gradients.
-        `accumulate`: how accumulate_ sums a sink gradient into grad_acc
-        (TrainConfig.ngram_accumulate, one of config.NGRAM_ACCUMULATES): "index_add" (index_add_, float32 atomics) or "sorted"
-        (CUDA: kernels/row_accumulate.py, a sort and one add per distinct row, no atomics)."""
+        `accumulate`: how accumulate_ sums a sink gradient into grad_acc (TrainConfig.
+        ngram_accumulate, one of config.NGRAM_ACCUMULATES): "index_add" (index_add_, float32
+        atomics) or "sorted" (CUDA: kernels/row_accumulate.py, a sort and one add per distinct
+        row, no atomics, deterministic)."""
         super().__init__()
         if cycle < 1 or micro_steps < 1:
             raise ValueError(f"NgramStore: cycle={cycle} (ScheduleConfig.ngram_cycle) and "

@@ -67,12 +67,13 @@ def check_device(cfg: RunConfig) -> None:
     and the CUDA-only kernels a setting names)."""
     on_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
     if not on_cuda:
-        kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
-                   "--set train.ngram_accumulate=sorted": cfg.train.ngram_accumulate == "sorted"}
-        for setting in (name for name, asked in kernels.items() if asked):
-            raise PreflightError(f"{setting} runs a CUDA kernel and this run is on the CPU (device cpu); drop it "
-                                 f"(the defaults: --mlp-kernel torch, train.ngram_accumulate="
-                                 f"index_add) or run on a GPU host")
+        cuda_kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
+                        "--set train.ngram_accumulate=sorted": cfg.train.ngram_accumulate == "sorted"}
+        asked = next((setting for setting, on in cuda_kernels.items() if on), None)
+        if asked is not None:
+            raise PreflightError(f"{asked} runs a CUDA kernel and this run is on the CPU (device "
+                                 f"cpu); drop it (the defaults: --mlp-kernel torch, "
+                                 f"train.ngram_accumulate=index_add) or run on a GPU host")
         try:  # the model's own rule (model/attention.resolve_backend), without touching CUDA
             resolve_backend(cfg.model.attention_backend, torch.device("cpu"))
         except ValueError as e:
