@@ -216,3 +216,21 @@ def test_choose_then_vs_record_settings_parse(tmp_path):
     assert decide(600.0, 590.0, warmups=(70, 200)) == "no"  # 130 s more warmup
     (tmp_path / "build" / "choose" / "c_candidate.json").unlink()
     assert decide(600.0, None) == "no"
+
+
+@pytest.mark.parametrize("items, installs", [
+    ("model.attention_backend=fa4 train.mlp_kernel=quack", True),
+    ("train.mlp_kernel=quack", True),
+    ("train.ngram_rows_in_step=false", False),
+    ("", False),
+])
+def test_the_fa4_packages_come_only_with_settings_that_import_them(items, installs):
+    """common.sh's use_fa4_packages_for (vs_record.sh and host_bound.sh): the two-call fa4
+    install runs where OURS_SET names fa4 or quack, and only there (a call without .carry/fa4b
+    must not fail on it)."""
+    script = (f"source <(sed -n '/^use_fa4_packages_for() {{/,/^}}/p' {shlex.quote(str(GPU / 'common.sh'))}); "
+              f"use_fa4_packages() {{ echo installed; }}; use_fa4_packages_for {shlex.quote(items)}")
+    out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
+    assert (out.strip() == "installed") is installs, out
+    for name in ("vs_record.sh", "host_bound.sh"):
+        assert 'use_fa4_packages_for "${OURS_SET:-}"' in (GPU / name).read_text(), name

@@ -69,6 +69,12 @@ use_fa4_packages() {
   source .fa4_site/ENV
 }
 
+# `use_fa4_packages_for ITEMS`: use_fa4_packages where the --set items ITEMS name the fa4
+# attention backend or the quack MLP (the only settings that import them).
+use_fa4_packages_for() {
+  if [[ "${1:-}" =~ (fa4|quack) ]]; then use_fa4_packages; fi
+}
+
 # `run_gpu_tests LOG LIMIT_S [pytest args: files, -k ..., -s]`: the GPU tests (-m gpu -v -rA)
 # into LOG, then "exit CODE after N s"; its last lines on the console.
 run_gpu_tests() {

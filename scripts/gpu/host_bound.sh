@@ -17,12 +17,15 @@
 # same keys: same shapes and document capacities). Each stage has a time limit (ends by DEADLINE_S,
 # 585 s). OURS_SET="SECTION.FIELD=VALUE ..." passes --set items to every run (e.g.
 # OURS_SET="train.ngram_rows_in_step=false": the n-gram rows around the step, as before 2026-12-02).
+# With fa4 or quack in OURS_SET the packages come as in vs_record.sh (.carry/fa4a on the machine
+# from an earlier call, this call carries .carry/fa4b; DATA=data/embedded keeps it under 64 MiB).
 source scripts/gpu/common.sh  # run from the repo root
 DATA=${DATA:-data/embedded-large} MACHINE=${MACHINE:-h200}
 DATE=$(date -u +%F)
 STAGES=${STAGES:-A C}  # e.g. STAGES=C (bench/host_bound.py --stages follows)
 ours_set=()
 for item in ${OURS_SET:-}; do ours_set+=(--set "$item"); done
+use_fa4_packages_for "${OURS_SET:-}"
 for stage in $STAGES; do  # the first of two gets half of what is left, the last the rest
   limit=$(( $(left) - 15 ))
   [[ $stage == "${STAGES%% *}" && $STAGES == *" "* ]] && limit=$(( limit / 2 ))

@@ -47,9 +47,7 @@ done
 (( n > 0 )) || { echo "vs_record.sh: STAGES is empty; set STAGES=C or STAGES=A" >&2; exit 2; }
 ours_set=(--model-profile "${OURS_PROFILE:-default}")
 for item in ${OURS_SET:-}; do ours_set+=(--set "$item"); done
-if [[ "${OURS_SET:-}" =~ (fa4|quack) ]]; then
-  use_fa4_packages
-fi
+use_fa4_packages_for "${OURS_SET:-}"
 
 # the record gets at most what leaves ours ~140 s per stage (a cold stage of ours needs ~130 s)
 record_limit=$(( $(left) - 140 * n ))
