@@ -15,6 +15,9 @@ T tokens x 8 micro-batches of a training shard, with the speedrun's NgramConfig 
 - row_accumulate         kernels/row_accumulate.py (a stable sort of the ids, one add per distinct
                          row, no atomics; CUDA only), and hold_sorted: the hold through it
                          (NgramStore(accumulate="sorted"), train.ngram_accumulate=sorted)
+- row_accumulate_vector  the same module's vector-atomic kernel (index_add_'s sum, four columns
+                         per float32 atomic; CUDA only), and hold_vector_atomic: the hold through it
+                         (train.ngram_accumulate=vector_atomic)
 - copy             a plain copy of one [2T, 768] float32 tensor (the memory-bound reference)
 and the row statistics of the micro-batch (distinct rows, the most repeated row's count).
 Run (H200): PYTHONPATH=. python bench/ngram_hold.py --stage C --out docs/results/ngram_hold_h200_C.json
@@ -90,10 +93,12 @@ def measure(args) -> dict:
         "copy": lambda i: grad.clone(),
     }
     if device.type == "cuda":
-        from track_1_short.kernels.row_accumulate import row_accumulate_
-        sorted_store = NgramStore(lookup, cycle=2, micro_steps=MICRO_BATCHES, accumulate="sorted")
+        from track_1_short.kernels.row_accumulate import row_accumulate_, row_accumulate_vector_
         ops["row_accumulate"] = lambda i: row_accumulate_(acc, ids[i % MICRO_BATCHES], grad)
-        ops["hold_sorted"] = hold_of(sorted_store)
+        ops["row_accumulate_vector"] = lambda i: row_accumulate_vector_(acc, ids[i % MICRO_BATCHES], grad)
+        for name in ("sorted", "vector_atomic"):
+            held = NgramStore(lookup, cycle=2, micro_steps=MICRO_BATCHES, accumulate=name)
+            ops[f"hold_{name}"] = hold_of(held)
     result = {"stage": args.stage, "tokens_per_micro_step": T, "rows": cfg.num_rows, "dim": cfg.dim,
               "distinct_rows_per_micro_step": int(ids[0].unique().numel()),
               "most_repeated_row_count": int(ids[0].bincount().max()), "ops_ms": {}}

@@ -1,6 +1,7 @@
 """Kernel cases of track_1_short/kernels/row_accumulate.py in the Triton interpreter (CPU).
 
-Scope: row_accumulate_ against its reference acc.index_add_(0, ids, grad) from the same
+Scope: both kernels (row_accumulate_, the sorted one, and row_accumulate_vector_, the
+vector-atomic one) against their reference acc.index_add_(0, ids, grad) from the same
 accumulator: ids with long runs of one row (the reserved rows' case), ids all distinct, one id,
 rows never hit left bit-equal, a row width that is not a multiple of the kernel's column block
 and one wider than a block, a gradient with a row stride (the bigram half of a [2T, R] sink
@@ -24,30 +25,37 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from track_1_short.kernels.row_accumulate import BLOCK_R, interpreted, row_accumulate_  # noqa: E402
+from track_1_short.kernels.row_accumulate import (  # noqa: E402
+    BLOCK_R, interpreted, row_accumulate_, row_accumulate_vector_)
 from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
 from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
 
 
+KERNELS = [row_accumulate_, row_accumulate_vector_]
+
+
 def _check_against_reference(ids: torch.Tensor, grad: torch.Tensor, rows: int, calls: int = 1):
+    """Each kernel from the same accumulator as index_add_, `calls` times."""
     g = torch.Generator().manual_seed(1)
     start = torch.randn(rows, grad.shape[1], generator=g)
-    ref, out = start.clone(), start.clone()
+    ref = start.clone()
     for _ in range(calls):
         ref.index_add_(0, ids, grad)
-        row_accumulate_(out, ids, grad)
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max()
-    hit = torch.zeros(rows, dtype=torch.bool)
-    hit[ids] = True
-    assert torch.equal(out[~hit], start[~hit])  # rows no id names are untouched, bit for bit
-    return out
+    for kernel in KERNELS:
+        out = start.clone()
+        for _ in range(calls):
+            kernel(out, ids, grad)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (kernel.__name__, (out - ref).abs().max())
+        hit = torch.zeros(rows, dtype=torch.bool)
+        hit[ids] = True
+        assert torch.equal(out[~hit], start[~hit])  # rows no id names are untouched, bit for bit
 
 
 def test_interpreted():
     assert interpreted()
 
 
-@pytest.mark.parametrize("width", [7, BLOCK_R + 3])
+@pytest.mark.parametrize("width", [7, 12, BLOCK_R + 3, 2 * BLOCK_R + 4])
 def test_runs_of_one_row_and_distinct_rows(width):
     g = torch.Generator().manual_seed(0)
     ids = torch.cat([torch.full((40,), 5), torch.randperm(30, generator=g)[:20] + 10,
@@ -79,22 +87,31 @@ def test_real_row_ids_and_a_strided_half():
     _check_against_reference(ids[:half], wide, rows=cfg.num_rows)
 
 
+def test_a_gradient_with_a_column_stride():
+    """A transposed gradient (column stride N): the vector kernel copies it, the sums hold."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 9, (21,), generator=g)
+    _check_against_reference(ids, torch.randn(8, 21, generator=g).t(), rows=9, calls=2)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(acc=torch.zeros(4, 3, dtype=torch.float64)), "acc must be a contiguous float32"),
     (dict(grad=torch.zeros(2, 4)), r"grad must be float32 \[N, 3\]"),
     (dict(ids=torch.zeros(3, dtype=torch.int64)), r"ids must be int64 \[2\]"),
     (dict(ids=torch.zeros(2, dtype=torch.int32)), r"ids must be int64"),
 ])
-def test_input_errors(change, match):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_input_errors(change, match, kernel):
     args = dict(acc=torch.zeros(4, 3), ids=torch.zeros(2, dtype=torch.int64), grad=torch.zeros(2, 3))
     args.update(change)
-    with pytest.raises(ValueError, match=match):
-        row_accumulate_(args["acc"], args["ids"], args["grad"])
+    with pytest.raises(ValueError, match=f"{kernel.__name__}: {match}"):
+        kernel(args["acc"], args["ids"], args["grad"])
 
 
-def test_the_store_hold_through_the_kernel():
-    """NgramStore.hold with the kernel as its accumulate_kernel (what accumulate="sorted" installs
-    on CUDA) against the store's index_add_ path, over three micro-steps with and without
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_store_hold_through_the_kernel(kernel):
+    """NgramStore.hold with the kernel as its accumulate_kernel (what accumulate="sorted" or
+    "vector_atomic" installs on CUDA) against the store's index_add_ path, over three micro-steps with and without
     trigrams: the accumulators agree within float32 rounding, the touched flags are equal."""
     from track_1_short.perf.ngram_store import NgramStore
 
@@ -102,7 +119,7 @@ def test_the_store_hold_through_the_kernel():
         cfg = NgramConfig(dim=10, vocab_size=64, bigram_rows=29, trigram_rows=23, cache_rows=64,
                           bos_id=63, trigram=trigram)
         ref, fast = (NgramStore(NgramLookup(cfg), cycle=1, micro_steps=3) for _ in range(2))
-        fast.accumulate_kernel = row_accumulate_
+        fast.accumulate_kernel = kernel
         g = torch.Generator().manual_seed(3)
         for _ in range(3):
             inputs = torch.randint(0, 64, (32,), generator=g).to(torch.int32)

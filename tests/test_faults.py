@@ -311,6 +311,8 @@ def test_validation_smaller_than_the_ranks_is_refused(tmp_path, capsys):
     (["--device", "cuda"], "--device cuda: no CUDA device is available"),
     (["--preset", "cpu-tiny", "--set", "train.ngram_accumulate=sorted"],
      "--set train.ngram_accumulate=sorted runs a CUDA kernel and this run is on the CPU"),
+    (["--preset", "cpu-tiny", "--set", "train.ngram_accumulate=vector_atomic"],
+     "--set train.ngram_accumulate=vector_atomic runs a CUDA kernel and this run is on the CPU"),
     (["--preset", "cpu-tiny", "--mlp-kernel", "quack"],
      "--mlp-kernel quack runs a CUDA kernel and this run is on the CPU"),
     (["--preset", "cpu-tiny", "--set", "model.attention_backend=fa4"],

@@ -42,7 +42,7 @@ MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
 INDUCTOR_OPTIONS = {"max_autotune": "max_autotune",
                     "coordinate_descent_tuning": "coordinate_descent_tuning",
                     "inductor_pdl": "triton.enable_pdl"}
-NGRAM_ACCUMULATES = ("index_add", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
+NGRAM_ACCUMULATES = ("index_add", "vector_atomic", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
 FUSED_LOSS_SCHEDULES = ("auto", "two_pass", "one_pass", "recompute")  # TrainConfig.fused_loss_schedule
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 # --model-profile NAME: a named set of model fields (as --set items), applied after the other
@@ -159,8 +159,9 @@ class TrainConfig:
     ngram_rows_in_step: bool = True
     # how the n-gram hold sums a micro-step's sink gradient into the row accumulator
     # (perf/ngram_store.py, NgramStore's accumulate): "index_add" (index_add_, a float32 atomic
-    # per element; the fastest measured) or "sorted" (CUDA: a sort of the row ids and one add per
-    # distinct row, deterministic; kernels/row_accumulate.py: 1.6x index_add_'s time at stage C)
+    # per element; the fastest measured), "vector_atomic" (CUDA: the same sum with four columns per
+    # atomic; kernels/row_accumulate.py; not measured yet) or "sorted" (CUDA: a sort of the row ids
+    # and one add per distinct row, deterministic; the same module: 1.6x index_add_'s time at C)
     ngram_accumulate: str = "index_add"
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,

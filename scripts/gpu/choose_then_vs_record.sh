@@ -9,12 +9,14 @@
 #       lm head in the recompute schedule with the default attention and MLP: fa4 and quack come
 #       only with the second call's carry) as it is, then with each --set item of CANDIDATE; both
 #       JSONs to $OUT and to build/choose/ (kept by the warm machine), the baseline's trace too.
+#       BASE_EXTRA="SECTION.FIELD=VALUE ...": --set items already chosen (e.g. by a kernel
+#       benchmark before this call), in the baseline, the candidate and compare's fast set alike.
 #   bash scripts/gpu/choose_then_vs_record.sh compare
 #       carry [".carry/fa4b", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
 #       "data/embedded"]: scripts/gpu/vs_record.sh at A and C with FlashAttention 4, the quack
 #       MLP and the fp8 lm head (recompute), plus CANDIDATE (as build/choose/ recorded it) where
 #       the first call measured it at least MIN_GAIN (default 0.003) faster at C with at most 60 s
-#       more warmup; the choice in $OUT/choice.txt.
+#       more warmup, and the first call's BASE_EXTRA; the choice in $OUT/choice.txt.
 # Measured 2026-12-03 (as docs/results/scripts/lease15_call1.sh and call2.sh): choose took 583 s
 # (the record's warm-up ~250 s, a cold baseline 115 s), compare 503 s.
 source scripts/gpu/common.sh  # run from the repo root
@@ -28,8 +30,10 @@ case "$MODE" in
     cp "$OUT/anchor/timing.json" "$OUT/record_warm_timing.json" 2>/dev/null
     rm -rf build/choose && mkdir -p build/choose "$OUT/traces"
     echo "$CANDIDATE" > build/choose/candidate.txt
+    echo "${BASE_EXTRA:-}" > build/choose/base_extra.txt
     base=(--stage C --steps 20 --graphs on --micro-steps 8 --data-dir data/embedded
           --set model.fp8.enabled=true --set model.fp8.sites=lm_head --set train.fused_loss_schedule=recompute)
+    for item in ${BASE_EXTRA:-}; do base+=(--set "$item"); done
     cand=()
     for item in $CANDIDATE; do cand+=(--set "$item"); done
     timeout -k 10 170 python3 bench/step.py "${base[@]}" --trace-dir "$OUT/traces" \
@@ -43,6 +47,7 @@ case "$MODE" in
     pack_outputs anchor ;;
   compare)
     candidate=$(cat build/choose/candidate.txt 2>/dev/null)
+    base_extra=$(cat build/choose/base_extra.txt 2>/dev/null)
     won=$(MIN_GAIN=${MIN_GAIN:-0.003} python3 - <<'PY'
 import json, os
 try:
@@ -54,9 +59,9 @@ except (OSError, KeyError, ValueError) as e:
     print(f"no (the first call's JSON: {type(e).__name__} {e})")
 PY
 )
-    echo "candidate '${candidate:-none}': $won" | tee "$OUT/choice.txt"
-    set_items=$FAST
-    [[ "$won" == yes* ]] && set_items="$FAST $candidate"
+    echo "candidate '${candidate:-none}': $won; base extra '${base_extra}'" | tee "$OUT/choice.txt"
+    set_items="$FAST $base_extra"
+    [[ "$won" == yes* ]] && set_items="$set_items $candidate"
     STAGES="A C" DATA=data/embedded OURS_SET="$set_items" bash scripts/gpu/vs_record.sh ;;
   *) echo "choose_then_vs_record.sh: MODE is choose or compare, not '$MODE'" >&2; exit 2 ;;
 esac

@@ -39,8 +39,8 @@ at the head of the forward (row ids, the cache rows, the packed slots, written i
 (`hold(None, None)`). Both are the same functions `slots_for` and `hold` run around the step.
 
 Held gradients (`hold(grad [2T, R], ids [2T])`, right after each backward): summed at once into
-a dense row accumulator `grad_acc` [ROWS, R] (index_add_, or with `accumulate="sorted"` the
-atomic-free kernels/row_accumulate.py) and the rows flagged in `touched` [ROWS], so the sink
+a dense row accumulator `grad_acc` [ROWS, R] (index_add_, or with `accumulate="vector_atomic"`
+or `"sorted"` a kernel of kernels/row_accumulate.py) and the rows flagged in `touched` [ROWS], so the sink
 gradient is read before the next backward replay rewrites the graph's buffer (no copy, no ring;
 the accumulator is 2.3 GB at the speedrun's table, the ring it replaced held cycle x micro-steps
 gradients, 4.8 GB at stage C). The bound is built at construction from the
@@ -123,18 +123,20 @@ def _event_kernel():
 
 
 def _accumulate_kernel(name: str, device: torch.device):
-    """The hold's row accumulation: None for index_add_ (atomics; the reference), else the
-    atomic-free sorted-run kernel (kernels/row_accumulate.py; CUDA only, Triton imported there)."""
+    """The hold's row accumulation: None for index_add_ (scalar atomics; the reference), else a
+    kernels/row_accumulate.py kernel (CUDA only, Triton imported there): "vector_atomic" (four
+    columns per atomic) or "sorted" (atomic-free, deterministic)."""
     if name not in NGRAM_ACCUMULATES:
         raise ValueError(f"NgramStore: accumulate={name!r}: one of {NGRAM_ACCUMULATES} "
                          f"(TrainConfig.ngram_accumulate)")
     if name == "index_add":
         return None
     if device.type != "cuda":
-        raise ValueError(f"NgramStore: accumulate='sorted' is a CUDA kernel, the table is on "
+        raise ValueError(f"NgramStore: accumulate={name!r} is a CUDA kernel, the table is on "
                          f"{device}; use 'index_add' (train.ngram_accumulate=index_add)")
-    from track_1_short.kernels.row_accumulate import row_accumulate_
-    return row_accumulate_
+    from track_1_short.kernels import row_accumulate
+    return {"sorted": row_accumulate.row_accumulate_,
+            "vector_atomic": row_accumulate.row_accumulate_vector_}[name]
 
 
 def _sum_duplicates(ids: Tensor, grads: Tensor) -> tuple[Tensor, Tensor]:
@@ -155,8 +157,9 @@ class NgramStore(nn.Module):
         gradients per step (RunSpec.micro_steps). Both only bound the held gradients.
         `accumulate`: how accumulate_ sums a sink gradient into grad_acc (TrainConfig.
         ngram_accumulate, one of config.NGRAM_ACCUMULATES): "index_add" (index_add_, float32
-        atomics) or "sorted" (CUDA: kernels/row_accumulate.py, a sort and one add per distinct
-        row, no atomics, deterministic)."""
+        atomics), "vector_atomic" (CUDA: kernels/row_accumulate.py, four columns per atomic) or
+        "sorted" (CUDA: the same module, a sort and one add per distinct row, no atomics,
+        deterministic)."""
         super().__init__()
         if cycle < 1 or micro_steps < 1:
             raise ValueError(f"NgramStore: cycle={cycle} (ScheduleConfig.ngram_cycle) and "
