@@ -16,7 +16,8 @@
 #       "data/embedded"]: scripts/gpu/vs_record.sh at A and C with FlashAttention 4, the quack
 #       MLP and the fp8 lm head (recompute), plus CANDIDATE (as build/choose/ recorded it) where
 #       the first call measured it at least MIN_GAIN (default 0.003) faster at C with at most 60 s
-#       more warmup, and the first call's BASE_EXTRA; the choice in $OUT/choice.txt.
+#       more warmup, and the first call's BASE_EXTRA; the choice in $OUT/choice.txt, the --set
+#       items run in build/choose/fast_set.txt.
 # Measured 2026-12-03 (as docs/results/scripts/lease15_call1.sh and call2.sh): choose took 583 s
 # (the record's warm-up ~250 s, a cold baseline 115 s), compare 503 s.
 source scripts/gpu/common.sh  # run from the repo root
@@ -62,6 +63,7 @@ PY
     echo "candidate '${candidate:-none}': $won; base extra '${base_extra}'" | tee "$OUT/choice.txt"
     set_items="$FAST $base_extra"
     [[ "$won" == yes* ]] && set_items="$set_items $candidate"
+    echo "$set_items" > build/choose/fast_set.txt  # what the runs after this one take as the fast set
     STAGES="A C" DATA=data/embedded OURS_SET="$set_items" bash scripts/gpu/vs_record.sh ;;
   *) echo "choose_then_vs_record.sh: MODE is choose or compare, not '$MODE'" >&2; exit 2 ;;
 esac
