@@ -47,6 +47,7 @@ case "$MODE" in
     tail -n 3 "$L"/c_*.log
     pack_outputs anchor ;;
   compare)
+    mkdir -p build/choose
     candidate=$(cat build/choose/candidate.txt 2>/dev/null)
     base_extra=$(cat build/choose/base_extra.txt 2>/dev/null)
     won=$(MIN_GAIN=${MIN_GAIN:-0.003} python3 - <<'PY'
