@@ -256,3 +256,34 @@ def test_state_dict_roundtrip():
     # the store saves the table and its Adam state, the model (the lookup) the signs
     assert set(a.state_dict()) == {"table", "exp_avg", "exp_avg_sq", "num_updates"}
     assert set(a.lookup.state_dict()) == {"sign"}
+
+
+def test_the_accumulate_setting_resolves_by_device():
+    """train.ngram_accumulate: "auto" is the vector-atomic kernel on CUDA and index_add_ on the
+    CPU; a CUDA kernel named for a CPU table is a clear error; an unknown name too."""
+    from track_1_short.perf.ngram_store import resolve_accumulate
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_accumulate("auto", cuda) == "vector_atomic"
+    assert resolve_accumulate("auto", cpu) == "index_add"
+    assert resolve_accumulate("sorted", cuda) == "sorted"
+    assert resolve_accumulate("index_add", cuda) == "index_add"
+    for name in ("vector_atomic", "sorted"):
+        with pytest.raises(ValueError, match=f"accumulate='{name}' is a CUDA kernel"):
+            resolve_accumulate(name, cpu)
+    with pytest.raises(ValueError, match="one of"):
+        resolve_accumulate("atomic", cpu)
+    store = _store(_cfg())  # the default: auto
+    assert store.accumulate == "index_add" and store.accumulate_kernel is None
+
+
+def test_the_run_says_what_sums_the_held_gradients():
+    """The run's n-gram line (trainer/build.describe_ngram_rows) names the resolved accumulate."""
+    from types import SimpleNamespace
+
+    from track_1_short.trainer.build import describe_ngram_rows
+
+    store = _store(_cfg())
+    for in_step in (True, False):
+        line = describe_ngram_rows(SimpleNamespace(ngram=store, prefetch=SimpleNamespace(rows_in_step=in_step)))
+        assert line.endswith("held gradients summed by index_add (train.ngram_accumulate)"), line

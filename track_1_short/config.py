@@ -42,7 +42,7 @@ MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
 INDUCTOR_OPTIONS = {"max_autotune": "max_autotune",
                     "coordinate_descent_tuning": "coordinate_descent_tuning",
                     "inductor_pdl": "triton.enable_pdl"}
-NGRAM_ACCUMULATES = ("index_add", "vector_atomic", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
+NGRAM_ACCUMULATES = ("auto", "index_add", "vector_atomic", "sorted")  # TrainConfig.ngram_accumulate (perf/ngram_store.py)
 FUSED_LOSS_SCHEDULES = ("auto", "two_pass", "one_pass", "recompute")  # TrainConfig.fused_loss_schedule
 MAX_PROFILE_STEPS = 20  # --profile-steps window limit
 # --model-profile NAME: a named set of model fields (as --set items), applied after the other
@@ -128,7 +128,9 @@ class TrainConfig:
     # backward: on Hopper each generated Triton kernel may launch while the kernel before it
     # drains and waits for its data in-kernel, which shortens the ~1 us gap at each of the
     # ~6,000 kernel boundaries per stage-C step (idle 0.9-1.0% of the step on the H200,
-    # docs/results/vs_record_h200_2026-12-03_lease15); off until measured
+    # docs/results/vs_record_h200_2026-12-03_lease15). Off: measured slower, 1.019x of the
+    # stage-C step and 1.030x of its kernel time (some reductions twice as long;
+    # docs/results/ngram_vector_atomic_h200_2026-12-03/call1)
     inductor_pdl: bool = False
     # Portable compile cache (torch.compiler mega-cache): loaded before the first compile when the
     # file exists, rewritten (atomically) after warmup, where every graph of the run compiles.
@@ -158,11 +160,12 @@ class TrainConfig:
     # step"); False: around them, eagerly, as with several ranks (where the pull is a collective)
     ngram_rows_in_step: bool = True
     # how the n-gram hold sums a micro-step's sink gradient into the row accumulator
-    # (perf/ngram_store.py, NgramStore's accumulate): "index_add" (index_add_, a float32 atomic
-    # per element; the fastest measured), "vector_atomic" (CUDA: the same sum with four columns per
-    # atomic; kernels/row_accumulate.py; not measured yet) or "sorted" (CUDA: a sort of the row ids
-    # and one add per distinct row, deterministic; the same module: 1.6x index_add_'s time at C)
-    ngram_accumulate: str = "index_add"
+    # (perf/ngram_store.py, NgramStore's accumulate): "auto" (vector_atomic on CUDA, index_add
+    # elsewhere; the run prints which), "index_add" (index_add_, a float32 atomic per element),
+    # "vector_atomic" (CUDA: the same sum with four columns per atomic, kernels/row_accumulate.py;
+    # 0.45x index_add_'s time at stage C on the H200) or "sorted" (CUDA: a sort of the row ids and
+    # one add per distinct row, deterministic; the same module: 1.6x index_add_'s time at C)
+    ngram_accumulate: str = "auto"
     # the training forward's MLP: "torch" (two GEMMs and ReLU^2 as elementwise kernels, inductor's
     # fusions) or "quack" (quack-kernels' GEMMs with ReLU^2 and its derivative in the epilogues,
     # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with

@@ -95,7 +95,10 @@ forward 1.73 + backward 2.98 ms at C against one pass's 2.55 + quantise 3.49 (-1
 micro-step), 0.59 + 1.19 against 0.87 + 1.30 at A; the fp8 head's forward + backward with its
 GEMMs 14.56 against 16.14 (one pass) and 17.50 ms (two passes) at C. Predicted ~1.3 + ~3.6: the
 forward is bound by its two MUFU ops per element, the backward faster than the quantise kernel it
-replaces (a multiply by the reciprocal scale instead of an IEEE division).
+replaces (a multiply by the reciprocal scale instead of an IEEE division). Those times are at the
+one-pass launch (4096 / 8 / 8); its own sweep (bench/loss_kernel.py --sweep-only, another call)
+made 2048 / 4 / 16 its launch (RECOMPUTE_LAUNCH): 1.435 against 1.538 ms at C, 0.479 against 0.521
+at A for the forward alone.
 
 Math (equal to model/loss.py up to float32 rounding; N = len(mtp_weights), shapes below):
     z'_tj = 23 * sigmoid((z_tj + 5) / 7.5)        lse_t = log sum_j exp(z'_tj)
@@ -234,8 +237,14 @@ DEFAULT_LAUNCH = LaunchConfig()
 # 2.53 ms at C, 0.85 at A, against 2.75 / 0.86 at the two-pass default's 2048 / 4 / 8;
 # docs/results/loss_kernel_onepass_h200_2026-12-02/sweep.log)
 ONE_PASS_LAUNCH = LaunchConfig(block_v=4096, num_warps=8, programs_per_sm=8, one_pass=True)
-# Recompute: one pass's kernel without its stores (not swept: the one-pass launch)
-RECOMPUTE_LAUNCH = dataclasses.replace(ONE_PASS_LAUNCH, recompute=True)
+# Recompute: one pass's kernel without its stores, at the fastest launch of its sweep at both keys
+# on the H200 (2048 / 4 / 16: 1.435 ms at C, 0.479 at A, against 1.538 / 0.521 at the one-pass
+# launch 4096 / 8 / 8; bench/loss_kernel.py --sweep-only --sweep-tanh-only,
+# docs/results/ngram_vector_atomic_h200_2026-12-03/call4/loss_kernel_sweep.json). Only the forward
+# reads block_v, num_warps and programs_per_sm: the backward (kernels/fp8_logit_grad.py) has its
+# own tiles.
+RECOMPUTE_LAUNCH = LaunchConfig(block_v=2048, num_warps=4, programs_per_sm=16, one_pass=True,
+                                recompute=True)
 SCHEDULE_LAUNCHES = {"two_pass": DEFAULT_LAUNCH, "one_pass": ONE_PASS_LAUNCH, "recompute": RECOMPUTE_LAUNCH}
 
 

@@ -122,18 +122,28 @@ def _event_kernel():
     return sparse_adam_rows
 
 
-def _accumulate_kernel(name: str, device: torch.device):
-    """The hold's row accumulation: None for index_add_ (scalar atomics; the reference), else a
-    kernels/row_accumulate.py kernel (CUDA only, Triton imported there): "vector_atomic" (four
-    columns per atomic) or "sorted" (atomic-free, deterministic)."""
+def resolve_accumulate(name: str, device: torch.device) -> str:
+    """TrainConfig.ngram_accumulate on `device`: "auto" is "vector_atomic" on CUDA (0.45x
+    index_add_'s time at stage C and 0.47x at A on the H200, docs/results/
+    ngram_vector_atomic_h200_2026-12-03/) and "index_add" elsewhere (the kernels need CUDA); any
+    other name as it is (a CUDA kernel named on another device is a ValueError)."""
     if name not in NGRAM_ACCUMULATES:
         raise ValueError(f"NgramStore: accumulate={name!r}: one of {NGRAM_ACCUMULATES} "
                          f"(TrainConfig.ngram_accumulate)")
+    if name == "auto":
+        return "vector_atomic" if device.type == "cuda" else "index_add"
+    if name != "index_add" and device.type != "cuda":
+        raise ValueError(f"NgramStore: accumulate={name!r} is a CUDA kernel, the table is on "
+                         f"{device}; use 'index_add' or 'auto' (train.ngram_accumulate)")
+    return name
+
+
+def _accumulate_kernel(name: str):
+    """The hold's row accumulation for a resolved name: None for index_add_ (scalar atomics; the
+    reference), else a kernels/row_accumulate.py kernel (Triton imported there):
+    "vector_atomic" (four columns per atomic) or "sorted" (atomic-free, deterministic)."""
     if name == "index_add":
         return None
-    if device.type != "cuda":
-        raise ValueError(f"NgramStore: accumulate={name!r} is a CUDA kernel, the table is on "
-                         f"{device}; use 'index_add' (train.ngram_accumulate=index_add)")
     from track_1_short.kernels import row_accumulate
     return {"sorted": row_accumulate.row_accumulate_,
             "vector_atomic": row_accumulate.row_accumulate_vector_}[name]
@@ -152,11 +162,12 @@ class NgramStore(nn.Module):
     update events that apply them."""
 
     def __init__(self, lookup: NgramLookup, *, cycle: int, micro_steps: int,
-                 accumulate: str = "index_add"):
+                 accumulate: str = "auto"):
         """`cycle`: steps between update events (ScheduleConfig.ngram_cycle); `micro_steps`: held
         gradients per step (RunSpec.micro_steps). Both only bound the held gradients.
         `accumulate`: how accumulate_ sums a sink gradient into grad_acc (TrainConfig.
-        ngram_accumulate, one of config.NGRAM_ACCUMULATES): "index_add" (index_add_, float32
+        ngram_accumulate, one of config.NGRAM_ACCUMULATES; resolve_accumulate): "auto"
+        (vector_atomic on CUDA, else index_add), "index_add" (index_add_, float32
         atomics), "vector_atomic" (CUDA: kernels/row_accumulate.py, four columns per atomic) or
         "sorted" (CUDA: the same module, a sort and one add per distinct row, no atomics,
         deterministic)."""
@@ -185,7 +196,8 @@ class NgramStore(nn.Module):
         # The event's kernel on one CUDA rank (kernels/ngram_adam.py; Triton is imported only on
         # CUDA hosts); None runs the reference. Tests set it to compare the two.
         self.event_kernel = _event_kernel() if device.type == "cuda" else None
-        self.accumulate_kernel = _accumulate_kernel(accumulate, device)
+        self.accumulate = resolve_accumulate(accumulate, device)  # what accumulate_ runs
+        self.accumulate_kernel = _accumulate_kernel(self.accumulate)
         self.rank, self.world_size, self.group = 0, 1, None
         self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
 

@@ -266,12 +266,15 @@ def ngram_rows_in_step(train: TrainConfig, ngram: NgramStore) -> bool:
 
 
 def describe_ngram_rows(parts: StepParts) -> str:
-    """One log line: where the n-gram rows are pulled and held."""
+    """One log line: where the n-gram rows are pulled and held, and what sums the held gradients
+    (train.ngram_accumulate as resolved on this device)."""
+    summed = f"; held gradients summed by {parts.ngram.accumulate} (train.ngram_accumulate)"
     if parts.prefetch.rows_in_step:
-        return "n-gram rows: pulled and held inside the step (one rank; in the step graphs with --graphs on)"
+        return ("n-gram rows: pulled and held inside the step (one rank; in the step graphs with "
+                f"--graphs on){summed}")
     why = (f"{parts.ngram.world_size} ranks: the pull is a collective" if not parts.ngram.rows_in_step
            else "train.ngram_rows_in_step=false")
-    return f"n-gram rows: pulled and held around the step, eagerly ({why})"
+    return f"n-gram rows: pulled and held around the step, eagerly ({why}){summed}"
 
 
 def build_run(spec: RunSpec, stop: GracefulStop, graph_backend=None) -> Run:
