@@ -2,12 +2,13 @@
 # A candidate setting tried at stage C, then our fast step against the record's at A and C with
 # it where it won: two device calls on one warm machine (the second within the first's idle window,
 # ~30 s), from the repo root ($OUT: the tool's folder):
-#   CANDIDATE="train.inductor_pdl=true" bash scripts/gpu/choose_then_vs_record.sh choose
+#   CANDIDATE="SECTION.FIELD=VALUE ..." bash scripts/gpu/choose_then_vs_record.sh choose
 #       carry [".carry/fa4a", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
 #       "data/embedded"]: 1. the record's timing at its stages 0 and 2 (its compile caches in
 #       .carry/anchor_work, for the second call); 2. ours at C (8 micro-steps, graphs on; the fp8
 #       lm head in the recompute schedule with the default attention and MLP: fa4 and quack come
-#       only with the second call's carry) as it is, then with each --set item of CANDIDATE; both
+#       only with the second call's carry) as it is, then with each --set item of CANDIDATE (none:
+#       the baseline alone, and compare runs the fast set as it is); both
 #       JSONs to $OUT and to build/choose/ (kept by the warm machine), the baseline's trace too.
 #       BASE_EXTRA="SECTION.FIELD=VALUE ...": --set items already chosen (e.g. by a kernel
 #       benchmark before this call), in the baseline, the candidate and compare's fast set alike.
@@ -26,23 +27,24 @@ FAST="model.attention_backend=fa4 train.mlp_kernel=quack model.fp8.enabled=true 
 model.fp8.sites=lm_head train.fused_loss_schedule=recompute"
 case "$MODE" in
   choose)
-    [[ -n "${CANDIDATE:-}" ]] || { echo "choose_then_vs_record.sh: set CANDIDATE (--set items)" >&2; exit 2; }
     run_anchor timing 250 TIMING_STAGES=0,2
     cp "$OUT/anchor/timing.json" "$OUT/record_warm_timing.json" 2>/dev/null
     rm -rf build/choose && mkdir -p build/choose "$OUT/traces"
-    echo "$CANDIDATE" > build/choose/candidate.txt
+    echo "${CANDIDATE:-}" > build/choose/candidate.txt
     echo "${BASE_EXTRA:-}" > build/choose/base_extra.txt
     base=(--stage C --steps 20 --graphs on --micro-steps 8 --data-dir data/embedded
           --set model.fp8.enabled=true --set model.fp8.sites=lm_head --set train.fused_loss_schedule=recompute)
     for item in ${BASE_EXTRA:-}; do base+=(--set "$item"); done
     cand=()
-    for item in $CANDIDATE; do cand+=(--set "$item"); done
+    for item in ${CANDIDATE:-}; do cand+=(--set "$item"); done
     timeout -k 10 170 python3 bench/step.py "${base[@]}" --trace-dir "$OUT/traces" \
         --out "$OUT/c_base.json" > "$L/c_base.log" 2>&1
     echo "exit $? after $(elapsed) s" >> "$L/c_base.log"
-    timeout -k 10 $(( $(left) - 10 )) python3 bench/step.py "${base[@]}" "${cand[@]}" \
-        --out "$OUT/c_candidate.json" > "$L/c_candidate.log" 2>&1
-    echo "exit $? after $(elapsed) s" >> "$L/c_candidate.log"
+    if [[ -n "${CANDIDATE:-}" ]]; then  # without one: the record's warm-up and the baseline only
+      timeout -k 10 $(( $(left) - 10 )) python3 bench/step.py "${base[@]}" "${cand[@]}" \
+          --out "$OUT/c_candidate.json" > "$L/c_candidate.log" 2>&1
+      echo "exit $? after $(elapsed) s" >> "$L/c_candidate.log"
+    fi
     cp "$OUT"/c_*.json build/choose/ 2>/dev/null
     tail -n 3 "$L"/c_*.log
     pack_outputs anchor ;;
