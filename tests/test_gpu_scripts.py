@@ -234,3 +234,36 @@ def test_the_fa4_packages_come_only_with_settings_that_import_them(items, instal
     assert (out.strip() == "installed") is installs, out
     for name in ("vs_record.sh", "host_bound.sh"):
         assert 'use_fa4_packages_for "${OURS_SET:-}"' in (GPU / name).read_text(), name
+
+
+def _pack(out: Path) -> None:
+    """common.sh's pack_outputs on OUT (its definition alone, as a device call runs it)."""
+    script = (f"RETURN_FILES=8; source <(sed -n '/^pack_outputs() {{/,/^}}/p' {shlex.quote(str(GPU / 'common.sh'))}); "
+              f"OUT={shlex.quote(str(out))} pack_outputs anchor")
+    subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True)
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def test_pack_outputs_leaves_at_most_what_the_device_tool_returns(tmp_path):
+    """Logs, runs and named folders go into results.tgz; where more than 8 files would be left
+    (the device tool returns 8), the rest go into outputs.tgz, none lost; a few stay as they are."""
+    import tarfile
+
+    few, many = tmp_path / "few", tmp_path / "many"
+    for out, loose in ((few, 3), (many, 9)):
+        for sub in ("logs", "runs/r1", "anchor"):
+            (out / sub).mkdir(parents=True)
+            (out / sub / "x.log").write_text(sub)
+        for i in range(loose):
+            (out / ("traces" if i == 0 else ".") / f"f{i}.json").parent.mkdir(exist_ok=True)
+            (out / ("traces" if i == 0 else ".") / f"f{i}.json").write_text(str(i))
+        _pack(out)
+    assert _files(few) == {"results.tgz", "traces/f0.json", "f1.json", "f2.json"}
+    assert _files(many) == {"results.tgz", "outputs.tgz"}
+    with tarfile.open(many / "outputs.tgz") as t:
+        assert sorted(t.getnames()) == sorted(["traces/f0.json", *(f"f{i}.json" for i in range(1, 9))])
+    with tarfile.open(many / "results.tgz") as t:
+        assert {"logs/x.log", "runs/r1/x.log", "anchor/x.log"} <= set(t.getnames())

@@ -88,15 +88,29 @@ run_gpu_tests() {
 # Seconds left before DEADLINE_S (default 585: the device tool's 600 s call limit, less packing).
 left() { echo $(( ${DEADLINE_S:-585} - $(elapsed) )); }
 
-# `pack_outputs [DIR ...]`: logs, runs and the named folders of $OUT into results.tgz.
+# `pack_outputs [DIR ...]`: logs, runs and the named folders of $OUT into results.tgz. The device
+# tool returns at most RETURN_FILES (8) files: where more are left under $OUT, every one but
+# results.tgz and the compile cache's parts goes into outputs.tgz as well (a call that wrote more
+# lost its test log on 2026-12-03).
+RETURN_FILES=8
 pack_outputs() {
   local dirs=(logs runs) d
   for d in "$@"; do [[ -e "$OUT/$d" ]] && dirs+=("$d"); done
-  cd "$OUT" && tar czf results.tgz "${dirs[@]}" && rm -rf "${dirs[@]}"
-  if [[ -f compile_cache.bin && $(stat -c %s compile_cache.bin) -gt 16000000 ]]; then
-    split -b 15M -d compile_cache.bin compile_cache.bin.part && rm compile_cache.bin
-  fi
-  ls -la "$OUT"
+  (
+    cd "$OUT" && tar czf results.tgz "${dirs[@]}" && rm -rf "${dirs[@]}"
+    if [[ -f compile_cache.bin && $(stat -c %s compile_cache.bin) -gt 16000000 ]]; then
+      split -b 15M -d compile_cache.bin compile_cache.bin.part && rm compile_cache.bin
+    fi
+    if (( $(find . -type f | wc -l) > RETURN_FILES )); then
+      local list
+      list=$(mktemp)
+      find . -type f ! -name results.tgz ! -name 'compile_cache.bin*' -printf '%P\n' | sort > "$list"
+      tar czf outputs.tgz -T "$list" && xargs -d '\n' rm -f < "$list"
+      rm -f "$list"
+      find . -mindepth 1 -type d -empty -delete
+    fi
+    ls -laR .
+  )
 }
 
 # `run_variants TAG MARGIN_S MIN_S RUNNER FLAGS_FN`: every name in $VARIANTS is first checked with
