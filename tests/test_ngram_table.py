@@ -259,8 +259,9 @@ def test_state_dict_roundtrip():
 
 
 def test_the_accumulate_setting_resolves_by_device():
-    """train.ngram_accumulate: "auto" is the vector-atomic kernel on CUDA and index_add_ on the
-    CPU; a CUDA kernel named for a CPU table is a clear error; an unknown name too."""
+    """train.ngram_accumulate: "auto" is the vector-atomic kernel for a float32 accumulator on
+    CUDA and index_add_ otherwise; a kernel named where it cannot run is a clear error; an
+    unknown name too."""
     from track_1_short.perf.ngram_store import resolve_accumulate
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -268,9 +269,12 @@ def test_the_accumulate_setting_resolves_by_device():
     assert resolve_accumulate("auto", cpu) == "index_add"
     assert resolve_accumulate("sorted", cuda) == "sorted"
     assert resolve_accumulate("index_add", cuda) == "index_add"
+    assert resolve_accumulate("auto", cuda, torch.float64) == "index_add"  # the kernels take float32
     for name in ("vector_atomic", "sorted"):
         with pytest.raises(ValueError, match=f"accumulate='{name}' is a CUDA kernel"):
             resolve_accumulate(name, cpu)
+        with pytest.raises(ValueError, match="this one is torch.float64 on cuda"):
+            resolve_accumulate(name, cuda, torch.float64)
     with pytest.raises(ValueError, match="one of"):
         resolve_accumulate("atomic", cpu)
     store = _store(_cfg())  # the default: auto

@@ -122,19 +122,22 @@ def _event_kernel():
     return sparse_adam_rows
 
 
-def resolve_accumulate(name: str, device: torch.device) -> str:
-    """TrainConfig.ngram_accumulate on `device`: "auto" is "vector_atomic" on CUDA (0.45x
-    index_add_'s time at stage C and 0.47x at A on the H200, docs/results/
-    ngram_vector_atomic_h200_2026-12-03/) and "index_add" elsewhere (the kernels need CUDA); any
-    other name as it is (a CUDA kernel named on another device is a ValueError)."""
+def resolve_accumulate(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """TrainConfig.ngram_accumulate for a row accumulator of `dtype` on `device`: "auto" is
+    "vector_atomic" for a float32 accumulator on CUDA (0.45x index_add_'s time at stage C and
+    0.47x at A on the H200, docs/results/ngram_vector_atomic_h200_2026-12-03/) and "index_add"
+    otherwise (the kernels take float32 on CUDA); any other name as it is, where its kernel can
+    run (else a ValueError naming the setting)."""
     if name not in NGRAM_ACCUMULATES:
         raise ValueError(f"NgramStore: accumulate={name!r}: one of {NGRAM_ACCUMULATES} "
                          f"(TrainConfig.ngram_accumulate)")
+    kernels_run = device.type == "cuda" and dtype == torch.float32
     if name == "auto":
-        return "vector_atomic" if device.type == "cuda" else "index_add"
-    if name != "index_add" and device.type != "cuda":
-        raise ValueError(f"NgramStore: accumulate={name!r} is a CUDA kernel, the table is on "
-                         f"{device}; use 'index_add' or 'auto' (train.ngram_accumulate)")
+        return "vector_atomic" if kernels_run else "index_add"
+    if name != "index_add" and not kernels_run:
+        raise ValueError(f"NgramStore: accumulate={name!r} is a CUDA kernel for a float32 "
+                         f"accumulator, this one is {dtype} on {device}; use 'index_add' or "
+                         f"'auto' (train.ngram_accumulate)")
     return name
 
 
@@ -196,7 +199,7 @@ class NgramStore(nn.Module):
         # The event's kernel on one CUDA rank (kernels/ngram_adam.py; Triton is imported only on
         # CUDA hosts); None runs the reference. Tests set it to compare the two.
         self.event_kernel = _event_kernel() if device.type == "cuda" else None
-        self.accumulate = resolve_accumulate(accumulate, device)  # what accumulate_ runs
+        self.accumulate = resolve_accumulate(accumulate, device, state_dtype)  # what accumulate_ runs
         self.accumulate_kernel = _accumulate_kernel(self.accumulate)
         self.rank, self.world_size, self.group = 0, 1, None
         self.row_lo, self.rows_per_rank = 0, cfg.num_rows  # this rank's slice [row_lo, +rows_per_rank)
