@@ -193,7 +193,9 @@ def test_choose_then_vs_record_settings_parse(tmp_path):
     (train.inductor_pdl), as bench/step.py reads them; and its compare mode's choice from the
     first call's JSONs: a candidate 0.3% faster wins, a slower or a missing one does not."""
     text = (GPU / "choose_then_vs_record.sh").read_text()
-    fast = re.search(r'FAST="([^"]+)"', text, flags=re.S).group(1).replace("\\\n", " ").split()
+    fast = subprocess.run(  # the script's HEAD and FAST lines, as bash expands them
+        ["bash", "-c", f"eval \"$(grep -E '^(HEAD|FAST)=' {shlex.quote(str(GPU / 'choose_then_vs_record.sh'))})\"; echo $FAST"],
+        check=True, capture_output=True, text=True).stdout.split()
     flags = [f for item in [*fast, "train.inductor_pdl=true"] for f in ("--set", item)]
     args = bench_step.parse(["--stage", "C", "--data-dir", str(tmp_path), *flags,
                              "--out", str(tmp_path / "o.json")])
@@ -237,8 +239,9 @@ def test_the_fa4_packages_come_only_with_settings_that_import_them(items, instal
 
 
 def _pack(out: Path) -> None:
-    """common.sh's pack_outputs on OUT (its definition alone, as a device call runs it)."""
-    script = (f"RETURN_FILES=8; source <(sed -n '/^pack_outputs() {{/,/^}}/p' {shlex.quote(str(GPU / 'common.sh'))}); "
+    """common.sh's pack_outputs on OUT (its definition and RETURN_FILES alone, as a device call
+    runs it)."""
+    script = (f"source <(sed -n '/^RETURN_FILES=/p;/^pack_outputs() {{/,/^}}/p' {shlex.quote(str(GPU / 'common.sh'))}); "
               f"OUT={shlex.quote(str(out))} pack_outputs anchor")
     subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True)
 

@@ -40,6 +40,7 @@ from track_1_short.data import (DataError, ShardStats, capacity_rows, check_shar
                                 max_val_pieces, num_val_slices, worst_case_pieces)
 from track_1_short.distributed import DistributedContext
 from track_1_short.model.attention import resolve_backend
+from track_1_short.perf.ngram_store import resolve_accumulate
 from track_1_short.schedule import Schedule
 from track_1_short.trainer.checkpoint import CheckpointError, CheckpointInfo, resolve_resume
 from track_1_short.trainer.state import micro_steps_per_rank
@@ -62,6 +63,16 @@ class Preflight:
     capacity: dict[str, dict]  # per stage and "val": {"max_docs", "rows", "from_data"}
 
 
+def _accumulates_on_cpu(name: str) -> bool:
+    """Whether the n-gram hold's accumulate setting runs on a CPU table (the store's own rule,
+    perf/ngram_store.resolve_accumulate)."""
+    try:
+        resolve_accumulate(name, torch.device("cpu"))
+    except ValueError:
+        return False
+    return True
+
+
 def check_device(cfg: RunConfig) -> None:
     """Before any CUDA call: a CUDA device where the config needs one (the preset, --device cuda,
     and the CUDA-only kernels a setting names)."""
@@ -69,7 +80,7 @@ def check_device(cfg: RunConfig) -> None:
     if not on_cuda:
         cuda_kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
                         f"--set train.ngram_accumulate={cfg.train.ngram_accumulate}":
-                            cfg.train.ngram_accumulate not in ("auto", "index_add")}
+                            not _accumulates_on_cpu(cfg.train.ngram_accumulate)}
         asked = next((setting for setting, on in cuda_kernels.items() if on), None)
         if asked is not None:
             raise PreflightError(f"{asked} runs a CUDA kernel and this run is on the CPU (device "
