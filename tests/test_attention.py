@@ -10,9 +10,11 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from track_1_short.model.attention import (attention, document_ids, flex_attention, pair_heads,
-                                           reference_attention, resolve_backend, unpair_heads)
+                                           pair_major_columns, paired_rows, reference_attention,
+                                           resolve_backend, unpair_heads)
 from track_1_short.model.gpt import GPT, GPTConfig
 from track_1_short.perf.ngram_store import NgramStore
 
@@ -92,6 +94,22 @@ def test_pair_heads_roundtrip_and_layout():
     assert p.shape == (10, 3, 4)
     assert torch.equal(p[2 * 3, 1], x[3, 2]) and torch.equal(p[2 * 3 + 1, 1], x[3, 3])
     assert torch.equal(unpair_heads(p), x)
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_paired_rows_read_by_permuted_columns_equal_the_unpaired_copy(heads):
+    """paired_rows is a view (no copy) of the paired attention output; a projection with its
+    columns put in pair-major order computes what the unpaired copy's projection does. Six heads
+    (the speedrun's) and four: with two heads the permutation is the identity and proves nothing."""
+    torch.manual_seed(0)
+    t, d, n = 5, 8, 7
+    out = torch.randn(2 * t, heads // 2, d, dtype=torch.float64)  # [2T, H/2, D]
+    w = torch.randn(n, heads * d, dtype=torch.float64)  # [N, H*D]
+    rows = paired_rows(out)
+    assert rows.shape == (t, heads * d) and rows.data_ptr() == out.data_ptr()
+    ref = F.linear(unpair_heads(out).reshape(t, heads * d), w)
+    assert torch.allclose(F.linear(rows, pair_major_columns(w, heads)), ref, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(F.linear(rows, w), ref)  # the permutation is not the identity
 
 
 def test_resolve_backend():

@@ -156,6 +156,35 @@ def test_later_layers_attend_over_an_earlier_residual_and_the_backout():
     assert torch.equal(same, plain)
 
 
+@pytest.mark.parametrize("gates", [False, True])
+def test_paired_output_read_in_place_equals_the_unpaired_copy(gates):
+    """GPTConfig.unpair_attention_out=False (the projection's columns permuted) against True (the
+    copy back to [T, H, Dh]): the same loss and every gradient, on four heads (two would make the
+    permutation the identity), with per-token output gates on a paired layer (layer 0) too."""
+    from track_1_short.model.mudd_config import MuddConfig
+    fields = dict(num_heads=4, head_dim=32)
+    if gates:
+        fields["mudd"] = MuddConfig(gates=True, split_layer=3, xsa_layers=(1, 2),
+                                    attn_gate_layers=(0, 2), source_layer=3)
+    inputs, targets, cu = _batch(128, 8, 3)
+    grads, losses = [], []
+    for unpair in (True, False):
+        model = _model(unpair_attention_out=unpair, **fields)
+        with torch.no_grad():  # per-head differences everywhere (gates included)
+            g = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        loss = model(inputs, targets, cu, _slots(model, inputs), _fcfg([1.0])).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys()
+    for name, ref in grads[0].items():
+        assert torch.allclose(grads[1][name], ref, rtol=1e-4, atol=1e-6), name
+    assert grads[0]["vo_bank"].abs().sum() > 0
+
+
 @pytest.mark.parametrize("config, shapes", [
     # speedrun: 10 attention layers x 6 heads = 60 qk matrices -> 64, 20 vo -> 24,
     # 11 layers x 2 = 22 mlp matrices -> 24 (12 entries, not 16: padding counts matrices)

@@ -29,6 +29,9 @@ compiled forward specializes on (part of StepGraphKey).
 Paired heads (facts 1.2): `pair_heads` turns [T, H, D] into [2T, H/2, D] (position 2t holds head 2p
 of pair p, position 2t+1 head 2p+1); the caller doubles cum_seqlens, max_seqlen stays in doubled
 positions, and the window (in doubled positions) is not changed, i.e. effectively halved.
+The output goes back to [T, H*D] either by `unpair_heads` (a copy) or, without one, as
+`paired_rows` read by a projection whose columns `pair_major_columns` permuted (a copy of the
+weight, [N, H*D], instead of the activations, [T, H*D]); GPTConfig.unpair_attention_out picks.
 
 Legend: T tokens, H heads, D head_dim, C cum_seqlens entries, NB blocks of BLOCK tokens.
 """
@@ -193,3 +196,19 @@ def unpair_heads(x: Tensor) -> Tensor:
     """[2T, H/2, D] -> [T, H, D] (inverse of pair_heads)."""
     t2, hp, d = x.shape
     return x.view(t2 // 2, 2, hp, d).transpose(1, 2).reshape(t2 // 2, 2 * hp, d)
+
+
+def paired_rows(x: Tensor) -> Tensor:
+    """[2T, H/2, D] -> [T, H*D] without a copy: token t's row holds its heads in pair-major order,
+    column (j, p, d) for head 2p + j (unpair_heads' order is (2p + j, d)). A projection reads it
+    with its columns put in the same order by `pair_major_columns`."""
+    t2, hp, d = x.shape
+    return x.reshape(t2 // 2, 2 * hp * d)
+
+
+def pair_major_columns(w: Tensor, num_heads: int) -> Tensor:
+    """[N, H*D] with columns (h, d) -> [N, H*D] with columns (j, p, d) for h = 2p + j: a copy of the
+    weight, so that F.linear(paired_rows(x), pair_major_columns(w, H)) equals
+    F.linear(unpair_heads(x).reshape(T, H*D), w) without copying the activations."""
+    n, hd = w.shape
+    return w.view(n, num_heads // 2, 2, hd // num_heads).transpose(1, 2).reshape(n, hd)

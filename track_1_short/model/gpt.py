@@ -67,7 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from track_1_short.model.attention import attention, pair_heads, resolve_backend, unpair_heads
+from track_1_short.model.attention import (attention, pair_heads, pair_major_columns, paired_rows,
+                                           resolve_backend, unpair_heads)
 from track_1_short.model.fp8 import PlainMatmuls
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.loss import per_token_ce, softcap, training_loss
@@ -390,12 +391,20 @@ class GPT(nn.Module):
         if mix.v_extra is not None:
             v = v + mix.v_extra.view(t, h, dh)
         q, k = rms_norm(q), rms_norm(k)
-        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend, mix.dc)  # [T, H, Dh]
-        if mix.xsa is not None:
-            y = xsa(y, v, mix.xsa)
-        if mix.attn_gate is not None:
-            y = y * mix.attn_gate[..., None]
-        y = F.linear(y.reshape(t, h * dh), banks.vo[2 * a + 1].to(x.dtype)) * lam[1]
+        # [T, H, Dh]; a paired layer's in place: [2T, H/2, Dh] (GPTConfig.unpair_attention_out)
+        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend, mix.dc)
+        o_w = banks.vo[2 * a + 1].to(x.dtype)  # [D, H*Dh]
+        if i in c.paired_head_layers and not c.unpair_attention_out:  # no XSA here: MuddConfig.check
+            if mix.attn_gate is not None:
+                y = y * pair_heads(mix.attn_gate[..., None])  # [T, H, 1] -> [2T, H/2, 1]
+            y, o_w = paired_rows(y), pair_major_columns(o_w, h)  # [T, H*Dh], [D, H*Dh]
+        else:
+            if mix.xsa is not None:
+                y = xsa(y, v, mix.xsa)
+            if mix.attn_gate is not None:
+                y = y * mix.attn_gate[..., None]
+            y = y.reshape(t, h * dh)
+        y = F.linear(y, o_w) * lam[1]
         x = mix.resid_attn * x + mix.post_attn * y + mix.x0 * mix.x0_src
         if i > 0:  # layer 0's n-gram term went into the residual's initial value
             x = x + mix.ngram * ngram
@@ -404,7 +413,8 @@ class GPT(nn.Module):
     def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
                 max_seq_len: int, backend: str, dc: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Rotary + attention for layer i: paired heads, long (wide + key offset) or short; with
-        `dc` (unpaired layers), DC's addition over the rotated q, k (mudd.dc_correction)."""
+        `dc` (unpaired layers), DC's addition over the rotated q, k (mudd.dc_correction).
+        Returns [T, H, Dh]; a paired layer's [2T, H/2, Dh] unless GPTConfig.unpair_attention_out."""
         c = self.config
         t, h, dh = q.shape
         if i in c.paired_head_layers:
@@ -412,7 +422,7 @@ class GPT(nn.Module):
             q, k = (y.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh) for z in (q, k))
             out = attention(pair_heads(q), pair_heads(k), pair_heads(v), 2 * cum_seqlens,
                             2 * max_seq_len, window, y.attn_scale, backend)  # [2T, H/2, Dh]
-            return unpair_heads(out)
+            return unpair_heads(out) if c.unpair_attention_out else out
         y = self.yarn_wide if i in c.long_window_layers else self.yarn
         q, k = y.rotate(q), y.rotate(k)
         if i in c.long_window_layers:

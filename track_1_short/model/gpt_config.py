@@ -44,6 +44,11 @@ class GPTConfig:
     # None: every layer's attention reads rms_norm(x) (ours so far); L: the layers after L read
     # rms_norm(the residual after layer L) instead (HEAD: 7, layers 8-10 attend over norm(h_7))
     attn_input_layer: int | None = None
+    # paired layers' attention output into the output projection: False reads it in place (the
+    # projection's columns permuted: attention.pair_major_columns, a [D, H*Dh] weight copy); True
+    # copies it back to [T, H, Dh] first (attention.unpair_heads: the reference, two [T, D] copies
+    # per layer and micro-step, forward and backward). The same sum either way.
+    unpair_attention_out: bool = False
     # backout: the final norm reads x + backout * (the residual after backout_layer); HEAD starts
     # its post-loop MUDD coefficient of h_7 at -0.5 (learned per token there; a constant here)
     backout_layer: int | None = None
