@@ -157,10 +157,11 @@ def test_later_layers_attend_over_an_earlier_residual_and_the_backout():
 
 
 @pytest.mark.parametrize("gates", [False, True])
-def test_paired_output_read_in_place_equals_the_unpaired_copy(gates):
-    """GPTConfig.unpair_attention_out=False (the projection's columns permuted) against True (the
-    copy back to [T, H, Dh]): the same loss and every gradient, on four heads (two would make the
-    permutation the identity), with per-token output gates on a paired layer (layer 0) too."""
+def test_paired_heads_in_place_equal_the_reference_copies(gates):
+    """GPTConfig.paired_head_copies=False (q, k rotated into the paired layout, the projection's
+    columns permuted) against True (the reference's copies): the same loss and every gradient, on
+    four heads (two would make the permutation the identity), with per-token output gates on a
+    paired layer (layer 0) too."""
     from track_1_short.model.mudd_config import MuddConfig
     fields = dict(num_heads=4, head_dim=32)
     if gates:
@@ -168,8 +169,8 @@ def test_paired_output_read_in_place_equals_the_unpaired_copy(gates):
                                     attn_gate_layers=(0, 2), source_layer=3)
     inputs, targets, cu = _batch(128, 8, 3)
     grads, losses = [], []
-    for unpair in (True, False):
-        model = _model(unpair_attention_out=unpair, **fields)
+    for copies in (True, False):
+        model = _model(paired_head_copies=copies, **fields)
         with torch.no_grad():  # per-head differences everywhere (gates included)
             g = torch.Generator().manual_seed(1)
             for p in model.parameters():

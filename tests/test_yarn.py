@@ -62,6 +62,23 @@ def test_paired_table_interleaves_positions():
     assert torch.allclose(paired.cos[5, :64], plain.cos[10]) and torch.allclose(paired.cos[5, 64:], plain.cos[11])
 
 
+def test_rotate_doubled_equals_the_rotation_then_the_pair_copy():
+    """Yarn.rotate_doubled on the paired layout equals the paired rotation over [T, H/2, 2D]
+    followed by pair_heads' copy, element by element (the same products), after a window change
+    too; the plain table is refused."""
+    from track_1_short.model.attention import pair_heads
+    torch.manual_seed(0)
+    paired = Yarn(head_dim=64, max_position=32, paired=True)
+    z = torch.randn(20, 6, 64)  # [T, H, D]
+    for _ in range(2):
+        ref = pair_heads(paired.rotate(z.reshape(20, 3, 128)).view(20, 6, 64))
+        got = paired.rotate_doubled(pair_heads(z))
+        assert got.shape == (40, 3, 64) and torch.equal(got, ref)
+        paired.extend_window(128, 384)
+    with pytest.raises(ValueError, match="paired table"):
+        Yarn(head_dim=64, max_position=32).rotate_doubled(pair_heads(z))
+
+
 def test_rotation_is_relative():
     y = Yarn(head_dim=64, max_position=64)
     q, k = torch.randn(1, 1, 64, dtype=torch.float32), torch.randn(1, 1, 64)

@@ -31,7 +31,7 @@ of pair p, position 2t+1 head 2p+1); the caller doubles cum_seqlens, max_seqlen 
 positions, and the window (in doubled positions) is not changed, i.e. effectively halved.
 The output goes back to [T, H*D] either by `unpair_heads` (a copy) or, without one, as
 `paired_rows` read by a projection whose columns `pair_major_columns` permuted (a copy of the
-weight, [N, H*D], instead of the activations, [T, H*D]); GPTConfig.unpair_attention_out picks.
+weight, [N, H*D], instead of the activations, [T, H*D]); GPTConfig.paired_head_copies picks.
 
 Legend: T tokens, H heads, D head_dim, C cum_seqlens entries, NB blocks of BLOCK tokens.
 """

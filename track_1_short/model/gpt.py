@@ -391,10 +391,10 @@ class GPT(nn.Module):
         if mix.v_extra is not None:
             v = v + mix.v_extra.view(t, h, dh)
         q, k = rms_norm(q), rms_norm(k)
-        # [T, H, Dh]; a paired layer's in place: [2T, H/2, Dh] (GPTConfig.unpair_attention_out)
+        # [T, H, Dh]; a paired layer's in place: [2T, H/2, Dh] (GPTConfig.paired_head_copies)
         y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend, mix.dc)
         o_w = banks.vo[2 * a + 1].to(x.dtype)  # [D, H*Dh]
-        if i in c.paired_head_layers and not c.unpair_attention_out:  # no XSA here: MuddConfig.check
+        if i in c.paired_head_layers and not c.paired_head_copies:  # no XSA here: MuddConfig.check
             if mix.attn_gate is not None:
                 y = y * pair_heads(mix.attn_gate[..., None])  # [T, H, 1] -> [2T, H/2, 1]
             y, o_w = paired_rows(y), pair_major_columns(o_w, h)  # [T, H*Dh], [D, H*Dh]
@@ -414,15 +414,18 @@ class GPT(nn.Module):
                 max_seq_len: int, backend: str, dc: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Rotary + attention for layer i: paired heads, long (wide + key offset) or short; with
         `dc` (unpaired layers), DC's addition over the rotated q, k (mudd.dc_correction).
-        Returns [T, H, Dh]; a paired layer's [2T, H/2, Dh] unless GPTConfig.unpair_attention_out."""
+        Returns [T, H, Dh]; a paired layer's [2T, H/2, Dh] unless GPTConfig.paired_head_copies."""
         c = self.config
         t, h, dh = q.shape
         if i in c.paired_head_layers:
             y = self.yarn_paired_head
-            q, k = (y.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh) for z in (q, k))
-            out = attention(pair_heads(q), pair_heads(k), pair_heads(v), 2 * cum_seqlens,
+            if c.paired_head_copies:  # rotated over [T, H/2, 2Dh], then copied (the reference)
+                q, k = (pair_heads(y.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh)) for z in (q, k))
+            else:  # put in the paired layout by the rotation's own write
+                q, k = (y.rotate_doubled(pair_heads(z)) for z in (q, k))
+            out = attention(q, k, pair_heads(v), 2 * cum_seqlens,
                             2 * max_seq_len, window, y.attn_scale, backend)  # [2T, H/2, Dh]
-            return unpair_heads(out) if c.unpair_attention_out else out
+            return unpair_heads(out) if c.paired_head_copies else out
         y = self.yarn_wide if i in c.long_window_layers else self.yarn
         q, k = y.rotate(q), y.rotate(k)
         if i in c.long_window_layers:

@@ -44,11 +44,14 @@ class GPTConfig:
     # None: every layer's attention reads rms_norm(x) (ours so far); L: the layers after L read
     # rms_norm(the residual after layer L) instead (HEAD: 7, layers 8-10 attend over norm(h_7))
     attn_input_layer: int | None = None
-    # paired layers' attention output into the output projection: False reads it in place (the
-    # projection's columns permuted: attention.pair_major_columns, a [D, H*Dh] weight copy); True
-    # copies it back to [T, H, Dh] first (attention.unpair_heads: the reference, two [T, D] copies
-    # per layer and micro-step, forward and backward). The same sum either way.
-    unpair_attention_out: bool = False
+    # paired layers' layout copies. False (in place): q and k are put in pair_heads' layout before
+    # the rotation (Yarn.rotate_doubled), which then writes them there, and the output projection
+    # reads the attention output as it is (its columns permuted: attention.pair_major_columns, a
+    # [D, H*Dh] weight copy). True (the reference): q and k rotated in [T, H, Dh], then copied by
+    # pair_heads; the output copied back by unpair_heads (three [T, D] copies per layer and
+    # micro-step that the in-place path has not). The same values either way (the output
+    # projection's sum in another order).
+    paired_head_copies: bool = False
     # backout: the final norm reads x + backout * (the residual after backout_layer); HEAD starts
     # its post-loop MUDD coefficient of h_7 at -0.5 (learned per token there; a constant here)
     backout_layer: int | None = None

@@ -120,3 +120,15 @@ class Yarn(nn.Module):
         cos = self.cos[:t, None, :].to(x.dtype)
         sin = self.sin[:t, None, :].to(x.dtype)
         return rotate_pairs(x, cos, sin)
+
+    def rotate_doubled(self, x: Tensor) -> Tensor:
+        """x [2T, H/2, D] in attention.pair_heads' layout (a paired table only): row n at doubled
+        position n, so the table read as [2P, D] is an ordinary one (its row t holds positions 2t
+        and 2t+1). Equals pair_heads(rotate(z.reshape(T, H/2, 2D)).view(T, H, D)) for
+        x = pair_heads(z), element by element, with the rotation writing the paired layout."""
+        if not self.paired:
+            raise ValueError("Yarn.rotate_doubled needs the paired table (Yarn(paired=True))")
+        n, d = x.shape[0], self.head_dim
+        cos = self.cos.view(-1, d)[:n, None, :].to(x.dtype)  # [2T, 1, D]
+        sin = self.sin.view(-1, d)[:n, None, :].to(x.dtype)
+        return rotate_pairs(x, cos, sin)
