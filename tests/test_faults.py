@@ -315,6 +315,8 @@ def test_validation_smaller_than_the_ranks_is_refused(tmp_path, capsys):
      "--set train.ngram_accumulate=vector_atomic runs a CUDA kernel and this run is on the CPU"),
     (["--preset", "cpu-tiny", "--mlp-kernel", "quack"],
      "--mlp-kernel quack runs a CUDA kernel and this run is on the CPU"),
+    (["--preset", "cpu-tiny", "--set", "train.qk_norm_rope=triton"],
+     "--set train.qk_norm_rope=triton runs a CUDA kernel and this run is on the CPU"),
     (["--preset", "cpu-tiny", "--set", "model.attention_backend=fa4"],
      "--set model.attention_backend: attention backend 'fa4' cannot run on cpu"),
 ])

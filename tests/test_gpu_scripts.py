@@ -190,17 +190,17 @@ def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):
 
 def test_choose_then_vs_record_settings_parse(tmp_path):
     """scripts/gpu/choose_then_vs_record.sh's fast set, with the candidate the next lease tries
-    (train.inductor_pdl), as bench/step.py reads them; and its compare mode's choice from the
+    (train.qk_norm_rope=triton), as bench/step.py reads them; and its compare mode's choice from the
     first call's JSONs: a candidate 0.3% faster wins, a slower or a missing one does not."""
     text = (GPU / "choose_then_vs_record.sh").read_text()
     fast = subprocess.run(  # the script's HEAD and FAST lines, as bash expands them
         ["bash", "-c", f"eval \"$(grep -E '^(HEAD|FAST)=' {shlex.quote(str(GPU / 'choose_then_vs_record.sh'))})\"; echo $FAST"],
         check=True, capture_output=True, text=True).stdout.split()
-    flags = [f for item in [*fast, "train.inductor_pdl=true"] for f in ("--set", item)]
+    flags = [f for item in [*fast, "train.qk_norm_rope=triton"] for f in ("--set", item)]
     args = bench_step.parse(["--stage", "C", "--data-dir", str(tmp_path), *flags,
                              "--out", str(tmp_path / "o.json")])
     cfg = bench_step.base_config(args)
-    assert cfg.train.inductor_pdl and cfg.model.attention_backend == "fa4"
+    assert cfg.train.qk_norm_rope == "triton" and cfg.model.attention_backend == "fa4"
     choice = re.search(r"<<'PY'\n(.*?)\nPY\n", text, flags=re.S).group(1)
     (tmp_path / "build" / "choose").mkdir(parents=True)
 

@@ -38,6 +38,7 @@ from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, St
 PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
+QK_NORM_ROPES = ("torch", "triton")  # TrainConfig.qk_norm_rope
 # TrainConfig's switches of inductor options for the training forward: field -> option name
 INDUCTOR_OPTIONS = {"max_autotune": "max_autotune",
                     "coordinate_descent_tuning": "coordinate_descent_tuning",
@@ -171,6 +172,10 @@ class TrainConfig:
     # kernels/relu2_mlp.py; CUDA SM90 / SM100; with fp8 on mlp_up its up projection is fp8, with
     # model.fp8.mlp_backward "bf16"; not with fp8 on mlp_down)
     mlp_kernel: str = "torch"
+    # q/k rms-norm + RoPE of every attention layer: "torch" (the model's code, inductor's
+    # kernels) or "triton" (kernels/qk_norm_rope.py: one pass each way, writing the attention's
+    # layout; CUDA; not yet measured on the H200)
+    qk_norm_rope: str = "torch"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -210,6 +215,8 @@ class TrainConfig:
                              f"{NGRAM_ACCUMULATES}")
         if self.mlp_kernel not in MLP_KERNELS:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
+        if self.qk_norm_rope not in QK_NORM_ROPES:
+            raise ValueError(f"train.qk_norm_rope={self.qk_norm_rope!r}: one of {QK_NORM_ROPES}")
         if self.fused_loss_schedule not in FUSED_LOSS_SCHEDULES:
             raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule!r}: one of "
                              f"{FUSED_LOSS_SCHEDULES}")

@@ -18,7 +18,8 @@
 #       MLP and the fp8 lm head (recompute), plus CANDIDATE (as build/choose/ recorded it) where
 #       the first call measured it at least MIN_GAIN (default 0.003) faster at C with at most 60 s
 #       more warmup, and the first call's BASE_EXTRA; the choice in $OUT/choice.txt, the --set
-#       items run in build/choose/fast_set.txt.
+#       items run in build/choose/fast_set.txt. PRE_TESTS="tests/test_x_gpu.py ...": GPU test files
+#       run first (run_gpu_tests, 150 s at most, log gpu_tests.log), e.g. the candidate kernel's.
 # Measured 2026-12-03 (as docs/results/scripts/lease15_call1.sh and call2.sh): choose took 583 s
 # (the record's warm-up ~250 s, a cold baseline 115 s), compare 503 s.
 source scripts/gpu/common.sh  # run from the repo root
@@ -67,6 +68,9 @@ PY
     set_items="$FAST $base_extra"
     [[ "$won" == yes* ]] && set_items="$set_items $candidate"
     echo "$set_items" > build/choose/fast_set.txt  # what the runs after this one take as the fast set
-    STAGES="A C" DATA=data/embedded OURS_SET="$set_items" bash scripts/gpu/vs_record.sh ;;
+    if [[ -n "${PRE_TESTS:-}" ]]; then run_gpu_tests "$L/gpu_tests.log" 150 ${PRE_TESTS} -s; fi
+    # vs_record.sh counts its deadline from its own start: less what this call has used
+    DEADLINE_S=$(( ${DEADLINE_S:-585} - $(elapsed) )) STAGES="A C" DATA=data/embedded \
+        OURS_SET="$set_items" bash scripts/gpu/vs_record.sh ;;
   *) echo "choose_then_vs_record.sh: MODE is choose or compare, not '$MODE'" >&2; exit 2 ;;
 esac

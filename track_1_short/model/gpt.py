@@ -141,6 +141,20 @@ def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
+def norm_rotate(qk: Tensor, yarn: Yarn, paired: bool, copies: bool = False) -> tuple[Tensor, Tensor]:
+    """The torch definition of q/k's rms-norm + rotation (kernels/qk_norm_rope.py's reference):
+    qk [T, 2, H, Dh] -> q, k each [T, H, Dh] or, paired, [2T, H/2, Dh] (pair_heads' layout),
+    rotated per head at doubled positions (Yarn.rotate_doubled); `copies` (paired only): rotated
+    over [T, H/2, 2Dh] and then copied by pair_heads (GPTConfig.paired_head_copies), the same values."""
+    t, _, h, dh = qk.shape
+    q, k = rms_norm(qk[:, 0]), rms_norm(qk[:, 1])  # [T, H, Dh] each
+    if not paired:
+        return yarn.rotate(q), yarn.rotate(k)
+    if copies:
+        return tuple(pair_heads(yarn.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh)) for z in (q, k))
+    return yarn.rotate_doubled(pair_heads(q)), yarn.rotate_doubled(pair_heads(k))  # written paired
+
+
 class GPT(nn.Module):
     """Concern: the model's single-device math (the forward and the eval CE) and the state it
     reads (parameters, YaRN tables, the prefix table, the n-gram lookup's cache). Systems
@@ -209,6 +223,10 @@ class GPT(nn.Module):
         # prefix_targets) -> [T]). Eval always uses plain matmuls and the torch loss.
         self.matmuls: PlainMatmuls = PlainMatmuls()
         self.head_loss = None  # None: softcap(matmuls lm_head) -> loss.training_loss
+        # q/k rms-norm + rotation in one kernel (kernels/qk_norm_rope.py: f(qk [T, 2, H, Dh], cos,
+        # sin [rows, Dh], paired) -> q, k in the attention's layout); None: the torch path of
+        # _norm_rotate, the reference. Training and eval alike.
+        self.qk_norm_rope = None
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
         self.yarn_window: int | None = None  # ws_long the YaRN tables serve (None: the base tables)
@@ -379,7 +397,7 @@ class GPT(nn.Module):
         lam = self.sa_lambdas[i].to(x.dtype)
         xn = rms_norm(attn_in)  # [T, D]
         qk_w = banks.qk[a].to(x.dtype)  # [2*H*Dh, D]
-        q, k = F.linear(xn, qk_w).view(t, 2, h, dh).unbind(1)  # [T, H, Dh] each
+        qk = F.linear(xn, qk_w).view(t, 2, h, dh)  # [T, 2, H, Dh]: q, k
         v = F.linear(xn, banks.vo[2 * a].to(x.dtype)).view(t, h, dh) * lam[0]
         if ve is not None:
             gate = mix.ve_gate
@@ -390,9 +408,8 @@ class GPT(nn.Module):
             v = v + gate[..., None] * ve.view(t, h, dh)
         if mix.v_extra is not None:
             v = v + mix.v_extra.view(t, h, dh)
-        q, k = rms_norm(q), rms_norm(k)
         # [T, H, Dh]; a paired layer's in place: [2T, H/2, Dh] (GPTConfig.paired_head_copies)
-        y = self._attend(i, q, k, v, cum_seqlens, window, max_seq_len, backend, mix.dc)
+        y = self._attend(i, qk, v, cum_seqlens, window, max_seq_len, backend, mix.dc)
         o_w = banks.vo[2 * a + 1].to(x.dtype)  # [D, H*Dh]
         if i in c.paired_head_layers and not c.paired_head_copies:  # no XSA here: MuddConfig.check
             if mix.attn_gate is not None:
@@ -410,24 +427,32 @@ class GPT(nn.Module):
             x = x + mix.ngram * ngram
         return x
 
-    def _attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
+    def _norm_rotate(self, qk: Tensor, yarn: Yarn, paired: bool) -> tuple[Tensor, Tensor]:
+        """qk [T, 2, H, Dh] -> q, k rms-normed per head and rotated by `yarn`, each [T, H, Dh] or,
+        paired, [2T, H/2, Dh] (pair_heads' layout). The installed kernel (self.qk_norm_rope) where
+        there is one, except on the paired reference path; else this torch code, its reference."""
+        copies = paired and self.config.paired_head_copies
+        if self.qk_norm_rope is not None and not copies:
+            dh = qk.shape[-1]
+            return self.qk_norm_rope(qk, yarn.cos.view(-1, dh), yarn.sin.view(-1, dh), paired)
+        return norm_rotate(qk, yarn, paired, copies)
+
+    def _attend(self, i: int, qk: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,
                 max_seq_len: int, backend: str, dc: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Rotary + attention for layer i: paired heads, long (wide + key offset) or short; with
-        `dc` (unpaired layers), DC's addition over the rotated q, k (mudd.dc_correction).
-        Returns [T, H, Dh]; a paired layer's [2T, H/2, Dh] unless GPTConfig.paired_head_copies."""
+        """Norm + rotary + attention for layer i over qk [T, 2, H, Dh] and v [T, H, Dh]: paired
+        heads, long (wide + key offset) or short; with `dc` (unpaired layers), DC's addition over
+        the rotated q, k (mudd.dc_correction). Returns [T, H, Dh]; a paired layer's
+        [2T, H/2, Dh] unless GPTConfig.paired_head_copies."""
         c = self.config
-        t, h, dh = q.shape
+        t, _, h, dh = qk.shape
         if i in c.paired_head_layers:
             y = self.yarn_paired_head
-            if c.paired_head_copies:  # rotated over [T, H/2, 2Dh], then copied (the reference)
-                q, k = (pair_heads(y.rotate(z.reshape(t, h // 2, 2 * dh)).view(t, h, dh)) for z in (q, k))
-            else:  # put in the paired layout by the rotation's own write
-                q, k = (y.rotate_doubled(pair_heads(z)) for z in (q, k))
+            q, k = self._norm_rotate(qk, y, paired=True)  # [2T, H/2, Dh] each
             out = attention(q, k, pair_heads(v), 2 * cum_seqlens,
                             2 * max_seq_len, window, y.attn_scale, backend)  # [2T, H/2, Dh]
             return unpair_heads(out) if c.paired_head_copies else out
         y = self.yarn_wide if i in c.long_window_layers else self.yarn
-        q, k = y.rotate(q), y.rotate(k)
+        q, k = self._norm_rotate(qk, y, paired=False)  # [T, H, Dh] each
         if i in c.long_window_layers:
             # partial key offset (facts 1.2): the stationary half of k_t is k_{t-1}'s (not doc-masked)
             half = dh // 2

@@ -11,7 +11,8 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   3. the training forward's strategies installed: fp8 matmuls (--fp8, model/fp8.Fp8Matmuls: they
      need the device, add scale buffers the graphs bake), then the fused ReLU^2 MLP inside
      whichever matmul strategy is installed (--mlp-kernel quack, kernels/relu2_mlp.py; with
-     fp8 on the lm head alone both run), and the fused lm-head loss kernel (CUDA; between fp8 GEMMs
+     fp8 on the lm head alone both run), the q/k norm + RoPE kernel (train.qk_norm_rope=triton,
+     kernels/qk_norm_rope.py; eval uses it too), and the fused lm-head loss kernel (CUDA; between fp8 GEMMs
      when the lm head is an fp8 site; --no-fused-loss keeps the torch loss): all change what
      compile traces;
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
@@ -140,6 +141,20 @@ def _install_mlp_kernel(model: GPT, device: torch.device, kernel: str) -> None:
         model.matmuls.use_fused_mlp(relu2_mlp.quack_relu2_mlp, relu2_mlp.QUACK_MLP_LABEL)
 
 
+def _install_qk_norm_rope(model: GPT, device: torch.device, kernel: str) -> None:
+    """TrainConfig.qk_norm_rope="triton": q/k rms-norm + RoPE in one Triton pass each way
+    (kernels/qk_norm_rope.py) for every attention layer, training and eval; CUDA only (asked for
+    explicitly: an error on another device, no silent fallback to the torch path)."""
+    if kernel == "torch":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"train.qk_norm_rope=triton runs a CUDA kernel, this model is on {device}; "
+                         f"use train.qk_norm_rope=torch")
+    from track_1_short.kernels.qk_norm_rope import qk_norm_rope
+
+    model.qk_norm_rope = qk_norm_rope
+
+
 def _fp8_sites(model: GPT) -> tuple[str, ...]:
     """The call sites the training forward runs in fp8 (none without an active Fp8Matmuls)."""
     return model.config.fp8.sites if isinstance(model.matmuls, Fp8Matmuls) else ()
@@ -205,12 +220,13 @@ def describe_strategies(model: GPT) -> str:
             loss += " in one pass, the gradient recomputed in the backward (kernels/fp8_logit_grad.py)"
         elif launch is not None and launch.one_pass:
             loss += " in one pass"
-    return f"training forward: {matmuls} matmuls, {loss} loss"
+    qk = "; q/k norm + RoPE: one Triton kernel (kernels/qk_norm_rope.py)" if model.qk_norm_rope else ""
+    return f"training forward: {matmuls} matmuls, {loss} loss{qk}"
 
 
 def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True,
                        mlp_kernel: str = "torch", grad_scale: float = 1.0,
-                       fused_loss_schedule: str = "auto") -> GPT:
+                       fused_loss_schedule: str = "auto", qk_norm_rope: str = "torch") -> GPT:
     """Steps 1-3 of the module docstring: what one device needs (the benches stop here).
     grad_scale: the training loss's gradient scale (1 / micro-steps; fp8's lm-head scale)."""
     if device.type == "cuda":  # bf16 matrices (fp32 masters live in the optimizer)
@@ -220,6 +236,7 @@ def prepare_for_device(model: GPT, device: torch.device, fused_loss: bool = True
     model.resolve_attention_backend(device)
     _install_fp8(model, device, grad_scale)
     _install_mlp_kernel(model, device, mlp_kernel)
+    _install_qk_norm_rope(model, device, qk_norm_rope)
     _install_fused_loss(model, device, fused_loss, fused_loss_schedule)
     return model
 
@@ -231,7 +248,8 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
     cfg, ctx, device = spec.cfg, spec.ctx, spec.ctx.device
     prepare_for_device(model, device, cfg.train.fused_loss, cfg.train.mlp_kernel,
                        grad_scale=loss_scale(spec.micro_steps),
-                       fused_loss_schedule=cfg.train.fused_loss_schedule)  # 1.-3.
+                       fused_loss_schedule=cfg.train.fused_loss_schedule,
+                       qk_norm_rope=cfg.train.qk_norm_rope)  # 1.-3.
     # 4. the table behind the model's lookup (its cache); holds one sink gradient per micro-step
     # until the schedule's event
     ngram = NgramStore(model.ngram_table, cycle=cfg.schedule.ngram_cycle,

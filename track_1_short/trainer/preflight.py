@@ -79,13 +79,14 @@ def check_device(cfg: RunConfig) -> None:
     on_cuda = torch.cuda.is_available() and cfg.train.device != "cpu"
     if not on_cuda:
         cuda_kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
+                        "--set train.qk_norm_rope=triton": cfg.train.qk_norm_rope == "triton",
                         f"--set train.ngram_accumulate={cfg.train.ngram_accumulate}":
                             not _accumulates_on_cpu(cfg.train.ngram_accumulate)}
         asked = next((setting for setting, on in cuda_kernels.items() if on), None)
         if asked is not None:
             raise PreflightError(f"{asked} runs a CUDA kernel and this run is on the CPU (device "
                                  f"cpu); drop it (the defaults: --mlp-kernel torch, "
-                                 f"train.ngram_accumulate=auto) or run on a GPU host")
+                                 f"train.qk_norm_rope=torch, train.ngram_accumulate=auto) or run on a GPU host")
         try:  # the model's own rule (model/attention.resolve_backend), without touching CUDA
             resolve_backend(cfg.model.attention_backend, torch.device("cpu"))
         except ValueError as e:

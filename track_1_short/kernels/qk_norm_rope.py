@@ -1,0 +1,204 @@
+"""q and k of one attention layer: per-head rms-norm, then the half-truncated interleaved RoPE
+(model/yarn.py), written straight into the attention's layout, in one Triton pass forward and
+one backward.
+
+What it replaces (the reference, model/gpt.norm_rotate, which stays the definition):
+`rms_norm(q), rms_norm(k)` over [T, H, D] views of the qk projection, then `Yarn.rotate` (or, on a
+paired layer, `Yarn.rotate_doubled(pair_heads(.))`). Inductor compiles that into one or more
+reductions that ran at ~2.5x their memory floor at stage C (one program of 64 threads per
+(token, 3 heads); docs/LOG.md 2026-12-03, eighteenth session), three kernels plus copies on a
+paired layer. Here each program normalises BLOCK_ROWS head rows of D columns and rotates them:
+read the projection's [T, 2, H, D] once (the partner column of each pair is a second load of the
+same row, from cache), write q and k once.
+
+Math, per head row x [D] (float32 inside, the activations' dtype outside):
+  forward   r = 1 / sqrt(mean(x^2) + eps), y = x r, out[i] = y[i] c[i] + sgn[i] y[i^1] s[i]
+            with sgn = -1 on even columns, +1 on odd ones; c, s the table row of the position,
+            rounded to the activations' dtype first as Yarn.rotate does (`cos.to(x.dtype)`);
+            eps = finfo(float32).eps, F.rms_norm's default (its opmath type's).
+  backward  dy[i] = g[i] c[i] - sgn[i] g[i^1] s[i] (the rotation's transpose: c, s are equal over
+            a pair), dx = r (dy - y mean(dy y)).
+Layouts: the input qk [T, 2, H, D] contiguous (the projection's output viewed), row (t, s, h).
+Output [2, T*H, D]: q = out[0], k = out[1]; unpaired each is [T, H, D] (position t); paired each is
+attention.pair_heads' [2T, H/2, D], row (2t + j, p) holding head 2p + j at doubled position 2t + j,
+whose table is the paired table read as [2P, D] (Yarn.rotate_doubled).
+
+Registration: `track_1_short::qk_norm_rope` (forward, returns out and the row scales r) and
+`track_1_short::qk_norm_rope_bwd`, torch.library custom ops with fake kernels and autograd, so
+torch.compile(fullgraph) keeps them as two calls and CUDA graphs capture them (no host sync, the
+grid depends on shapes only). Only qk gets a gradient (the tables are buffers).
+
+CPU: the kernels run on CPU tensors only under TRITON_INTERPRET=1 set before triton is imported
+(tests/qk_norm_rope_cases.py through tests/test_qk_norm_rope.py); otherwise a CPU call is a
+ValueError. Installed by trainer/build.py where TrainConfig.qk_norm_rope = "triton" (default
+"torch" until measured on the H200).
+
+Legend: T tokens, H heads, D head_dim, P table rows, R = T*H head rows per output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+BLOCK_ROWS = 16  # head rows per program
+
+
+@triton.jit
+def _rows(o, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
+    """Output row o of q or k -> (token t, head h, table position)."""
+    if PAIRED:
+        n = o // (NUM_HEADS // 2)
+        p = o % (NUM_HEADS // 2)
+        t = n // 2
+        h = 2 * p + n % 2
+        pos = n
+    else:
+        t = o // NUM_HEADS
+        h = o % NUM_HEADS
+        pos = t
+    return t, h, pos
+
+
+@triton.jit
+def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, which, eps,
+         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
+    rmask = o < n_rows
+    t, h, pos = _rows(o, NUM_HEADS, PAIRED)
+    src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)  # [BR] input rows of [T, 2, H, D]
+    cols = tl.arange(0, D)
+    mask = rmask[:, None]
+    x_ptrs = qk_ptr + src[:, None] * D
+    x = tl.load(x_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BR, D]
+    xs = tl.load(x_ptrs + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)  # partners
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
+    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    dtype = qk_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sgn = tl.where(cols % 2 == 0, -1.0, 1.0)[None, :]
+    out = (x * c + sgn * xs * s) * rstd[:, None]
+    dst = (which * n_rows + o).to(tl.int64)
+    tl.store(out_ptr + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
+    tl.store(rstd_ptr + src, rstd, mask=rmask)
+
+
+@triton.jit
+def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows, which,
+         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rmask = o < n_rows
+    t, h, pos = _rows(o, NUM_HEADS, PAIRED)
+    src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)
+    cols = tl.arange(0, D)
+    mask = rmask[:, None]
+    g_ptrs = g_ptr + (which * n_rows + o).to(tl.int64)[:, None] * D  # g [2, R, D]: q's, k's
+    g = tl.load(g_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gs = tl.load(g_ptrs + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    dtype = qk_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sgn = tl.where(cols % 2 == 0, -1.0, 1.0)[None, :]
+    dy = g * c - sgn * gs * s
+    rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, None]
+    y = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
+    dx = rstd * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+    tl.store(dqk_ptr + src[:, None] * D + cols[None, :], dx.to(dtype), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in the Triton interpreter (the only way CPU tensors can run them)."""
+    return isinstance(_fwd, InterpretedFunction)
+
+
+def _check(qk: Tensor, cos: Tensor, num_heads: int, paired: bool) -> None:
+    """ValueError naming what the kernels cannot take."""
+    if qk.device.type != "cuda" and not interpreted():
+        raise ValueError(f"qk_norm_rope: runs on CUDA (or on the CPU with TRITON_INTERPRET=1 set "
+                         f"before triton is imported), got {qk.device}; the reference is "
+                         f"TrainConfig.qk_norm_rope='torch'")
+    if qk.dim() != 4 or qk.shape[1] != 2 or qk.shape[2] != num_heads or not qk.is_contiguous():
+        raise ValueError(f"qk_norm_rope: qk must be a contiguous [T, 2, {num_heads}, D] tensor, got "
+                         f"{tuple(qk.shape)}")
+    d = qk.shape[3]
+    if d & (d - 1) or d % 2:
+        raise ValueError(f"qk_norm_rope: head_dim={d} must be a power of two")
+    if paired and num_heads % 2:
+        raise ValueError(f"qk_norm_rope: paired heads need an even head count, got {num_heads}")
+    rows = 2 * qk.shape[0] if paired else qk.shape[0]
+    if cos.dim() != 2 or cos.shape[1] != d or cos.shape[0] < rows or cos.dtype != torch.float32:
+        raise ValueError(f"qk_norm_rope: the table must be float32 [>= {rows}, {d}], got "
+                         f"{cos.dtype} {tuple(cos.shape)}")
+
+
+def _launch(qk: Tensor):
+    t, _, h, d = qk.shape
+    n_rows = t * h
+    return n_rows, (triton.cdiv(n_rows, BLOCK_ROWS),), dict(NUM_HEADS=h, D=d, BLOCK_ROWS=BLOCK_ROWS,
+                                                         num_warps=4)
+
+
+@torch.library.custom_op("track_1_short::qk_norm_rope", mutates_args=())
+def _qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+                  paired: bool) -> tuple[Tensor, Tensor]:
+    _check(qk, cos, num_heads, paired)
+    t, _, h, d = qk.shape
+    out = torch.empty(2, t * h, d, dtype=qk.dtype, device=qk.device)  # [2, R, D]: q, k
+    rstd = torch.empty(t * 2 * h, dtype=torch.float32, device=qk.device)  # per input row
+    n_rows, grid, meta = _launch(qk)
+    eps = torch.finfo(torch.float32).eps  # F.rms_norm's default: its float32 opmath's epsilon
+    for which in (0, 1):
+        _fwd[grid](qk, cos, sin, out, rstd, n_rows, which, eps, PAIRED=paired, **meta)
+    return out, rstd
+
+
+@_qk_norm_rope.register_fake
+def _(qk, cos, sin, num_heads, paired):
+    t, _, h, d = qk.shape
+    return qk.new_empty(2, t * h, d), qk.new_empty(t * 2 * h, dtype=torch.float32)
+
+
+@torch.library.custom_op("track_1_short::qk_norm_rope_bwd", mutates_args=())
+def _qk_norm_rope_bwd(g: Tensor, qk: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor,
+                      num_heads: int, paired: bool) -> Tensor:
+    g = g.contiguous()
+    dqk = torch.empty_like(qk)
+    n_rows, grid, meta = _launch(qk)
+    for which in (0, 1):
+        _bwd[grid](g, qk, cos, sin, rstd, dqk, n_rows, which, PAIRED=paired, **meta)
+    return dqk
+
+
+@_qk_norm_rope_bwd.register_fake
+def _(g, qk, cos, sin, rstd, num_heads, paired):
+    return torch.empty_like(qk)
+
+
+def _setup_context(ctx, inputs, output):
+    qk, cos, sin, num_heads, paired = inputs
+    ctx.save_for_backward(qk, cos, sin, output[1])
+    ctx.num_heads, ctx.paired = num_heads, paired
+
+
+def _backward(ctx, g_out: Tensor, _g_rstd: Tensor):
+    qk, cos, sin, rstd = ctx.saved_tensors
+    return _qk_norm_rope_bwd(g_out, qk, cos, sin, rstd, ctx.num_heads, ctx.paired), None, None, None, None
+
+
+_qk_norm_rope.register_autograd(_backward, setup_context=_setup_context)
+
+
+def qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool) -> tuple[Tensor, Tensor]:
+    """qk [T, 2, H, D] (contiguous: the qk projection viewed) -> q, k normalised and rotated, each
+    [T, H, D] or, paired, [2T, H/2, D] (attention.pair_heads' layout). cos, sin: the Yarn table,
+    float32 [P, D] (paired: Yarn's [P, 2D] table viewed [2P, D]). The module docstring's math; the
+    model's torch path (model/gpt.norm_rotate) is the reference."""
+    t, _, h, d = qk.shape
+    out, _ = _qk_norm_rope(qk, cos, sin, h, paired)
+    shape = (2 * t, h // 2, d) if paired else (t, h, d)
+    return out[0].view(shape), out[1].view(shape)
