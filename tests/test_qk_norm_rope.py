@@ -4,8 +4,9 @@ Scope: the kernel cases (tests/qk_norm_rope_cases.py: against the model's torch 
 gradient, unpaired and paired, float32 and bfloat16, the tiny GPT with the kernel installed,
 under torch.compile, input errors) run in a child pytest process with TRITON_INTERPRET=1, which
 must be set before triton is imported and must not leak into this process. Here, without the
-interpreter: a CPU call is a clear error, the trainer's install refuses a CPU model, and a bad
-setting is refused by the config.
+interpreter: a CPU call is a clear error, the trainer's install refuses a CPU model, a bad
+setting is refused by the config, and both kernels compile for sm_90 (PTX, no GPU needed) with
+every row load and store vectorised (16 bytes: no 2-byte scalar access of a bf16 row).
 Hardware: CPU (needs triton installed; skipped otherwise); ~20 s.
 Run: `PYTHONPATH=. .venv/bin/python -m pytest tests/test_qk_norm_rope.py -q`.
 """
@@ -45,3 +46,34 @@ def test_the_install_refuses_a_cpu_model_and_the_config_a_bad_name(capsys):
         config_mod.parse(["--preset", "cpu-tiny", "--set", "train.qk_norm_rope=cuda"])
     assert exit_info.value.code == 2
     assert "train.qk_norm_rope='cuda': one of ('torch', 'triton')" in capsys.readouterr().err
+
+
+def _ptx(kernel, paired: bool) -> str:
+    """`kernel` compiled for sm_90 at the speedrun's heads (6 x 128, bf16), as a launch on 16-byte
+    aligned tensors specialises it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+
+    names = list(kernel.arg_names)
+    types = {"qk_ptr": "*bf16", "out_ptr": "*bf16", "g_ptr": "*bf16", "dqk_ptr": "*bf16",
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32",
+             "which": "i32", "eps": "fp32"}
+    consts = {"NUM_HEADS": 6, "D": 128, "PAIRED": paired, "BLOCK_ROWS": qk_norm_rope.BLOCK_ROWS}
+    signature = {n: "constexpr" if n in consts else types[n] for n in names}
+    pointers = [i for i, n in enumerate(names) if n.endswith("_ptr")]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts,
+                    attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
+    return triton_compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_both_kernels_compile_for_sm90_with_vector_row_access(paired):
+    if qk_norm_rope.interpreted():
+        pytest.skip("this process imported triton with TRITON_INTERPRET=1")
+    import re
+
+    for kernel in (qk_norm_rope._fwd, qk_norm_rope._bwd):
+        ptx = _ptx(kernel, paired)
+        loads, stores = set(re.findall(r"ld\.global[\w.]*", ptx)), set(re.findall(r"st\.global[\w.]*", ptx))
+        assert "ld.global.v4.b32" in loads and "st.global.v4.b32" in stores, (loads, stores)
+        assert not any(op.endswith(("b16", "u16")) for op in loads | stores), (loads, stores)

@@ -8,16 +8,16 @@ paired layer, `Yarn.rotate_doubled(pair_heads(.))`). Inductor compiles that into
 reductions that ran at ~2.5x their memory floor at stage C (one program of 64 threads per
 (token, 3 heads); docs/LOG.md 2026-12-03, eighteenth session), three kernels plus copies on a
 paired layer. Here each program normalises BLOCK_ROWS head rows of D columns and rotates them:
-read the projection's [T, 2, H, D] once (the partner column of each pair is a second load of the
-same row, from cache), write q and k once.
+read the projection's [T, 2, H, D] once, write q and k once (a pair's two columns are split in
+registers: tl.split of the row viewed [D/2, 2]).
 
 Math, per head row x [D] (float32 inside, the activations' dtype outside):
-  forward   r = 1 / sqrt(mean(x^2) + eps), y = x r, out[i] = y[i] c[i] + sgn[i] y[i^1] s[i]
-            with sgn = -1 on even columns, +1 on odd ones; c, s the table row of the position,
+  forward   r = 1 / sqrt(mean(x^2) + eps), y = x r, each pair (a, b) = (y[2i], y[2i+1]) ->
+            (a c_i - b s_i, b c_i + a s_i); c_i, s_i the table row of the position at 2i,
             rounded to the activations' dtype first as Yarn.rotate does (`cos.to(x.dtype)`);
             eps = finfo(float32).eps, F.rms_norm's default (its opmath type's).
-  backward  dy[i] = g[i] c[i] - sgn[i] g[i^1] s[i] (the rotation's transpose: c, s are equal over
-            a pair), dx = r (dy - y mean(dy y)).
+  backward  per pair of the gradient (ga, gb) -> dy = (ga c_i + gb s_i, gb c_i - ga s_i) (the
+            rotation's transpose), dx = r (dy - y mean(dy y)).
 Layouts: the input qk [T, 2, H, D] contiguous (the projection's output viewed), row (t, s, h).
 Output [2, T*H, D]: q = out[0], k = out[1]; unpaired each is [T, H, D] (position t); paired each is
 attention.pair_heads' [2T, H/2, D], row (2t + j, p) holding head 2p + j at doubled position 2t + j,
@@ -64,6 +64,18 @@ def _rows(o, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
 
 
 @triton.jit
+def _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """The table row of each position, one value per pair (c[2i] = c[2i+1]), rounded to the
+    activations' dtype as Yarn.rotate does: c, s [BR, D/2] float32."""
+    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    c, _ = tl.split(tl.reshape(c, (BLOCK_ROWS, D // 2, 2)))
+    s, _ = tl.split(tl.reshape(s, (BLOCK_ROWS, D // 2, 2)))
+    return c, s
+
+
+@triton.jit
 def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, which, eps,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
@@ -72,16 +84,12 @@ def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, which, eps,
     src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)  # [BR] input rows of [T, 2, H, D]
     cols = tl.arange(0, D)
     mask = rmask[:, None]
-    x_ptrs = qk_ptr + src[:, None] * D
-    x = tl.load(x_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BR, D]
-    xs = tl.load(x_ptrs + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)  # partners
+    x = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
-    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, qk_ptr.dtype.element_ty, D, BLOCK_ROWS)  # [BR, D/2]
+    a, b = tl.split(tl.reshape(x, (BLOCK_ROWS, D // 2, 2)))  # each pair (a, b) -> (ac - bs, bc + as)
+    out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_ROWS, D)) * rstd[:, None]
     dtype = qk_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sgn = tl.where(cols % 2 == 0, -1.0, 1.0)[None, :]
-    out = (x * c + sgn * xs * s) * rstd[:, None]
     dst = (which * n_rows + o).to(tl.int64)
     tl.store(out_ptr + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
     tl.store(rstd_ptr + src, rstd, mask=rmask)
@@ -96,15 +104,12 @@ def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows, which,
     src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)
     cols = tl.arange(0, D)
     mask = rmask[:, None]
-    g_ptrs = g_ptr + (which * n_rows + o).to(tl.int64)[:, None] * D  # g [2, R, D]: q's, k's
-    g = tl.load(g_ptrs + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gs = tl.load(g_ptrs + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
-    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    g_rows = (which * n_rows + o).to(tl.int64)  # g [2, R, D]: q's, then k's
+    g = tl.load(g_ptr + g_rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sgn = tl.where(cols % 2 == 0, -1.0, 1.0)[None, :]
-    dy = g * c - sgn * gs * s
+    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D, BLOCK_ROWS)
+    ga, gb = tl.split(tl.reshape(g, (BLOCK_ROWS, D // 2, 2)))  # the rotation's transpose per pair
+    dy = tl.reshape(tl.join(ga * c + gb * s, gb * c - ga * s), (BLOCK_ROWS, D))
     rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, None]
     y = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
     dx = rstd * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
