@@ -224,8 +224,8 @@ class GPT(nn.Module):
         self.matmuls: PlainMatmuls = PlainMatmuls()
         self.head_loss = None  # None: softcap(matmuls lm_head) -> loss.training_loss
         # q/k rms-norm + rotation in one kernel (kernels/qk_norm_rope.py: f(qk [T, 2, H, Dh], cos,
-        # sin [rows, Dh], paired) -> q, k in the attention's layout); None: the torch path of
-        # _norm_rotate, the reference. Training and eval alike.
+        # sin [rows, Dh], paired) -> q, k in the attention's layout); None: norm_rotate (the torch
+        # definition, its reference). Training and eval alike (trainer/build.py installs it).
         self.qk_norm_rope = None
         self.register_buffer("prefix_table", torch.full((v,), -1, dtype=torch.int64))  # [V]
         self.attention_backend: str | None = None  # set by resolve_attention_backend
