@@ -33,8 +33,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 
 
 def _fused(qk, yarn, paired):
-    d = qk.shape[-1]
-    return qk_norm_rope(qk, yarn.cos.view(-1, d), yarn.sin.view(-1, d), paired)
+    return qk_norm_rope(qk, *yarn.head_tables(), paired)
 
 
 def test_the_interpreter_runs_the_kernels():

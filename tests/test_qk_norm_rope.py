@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
+from tests.triton_ptx import global_accesses, sm90_ptx  # noqa: E402
 from track_1_short import config as config_mod  # noqa: E402
 from track_1_short.kernels import qk_norm_rope  # noqa: E402
 from track_1_short.model.gpt import GPT, GPTConfig  # noqa: E402
@@ -49,31 +50,19 @@ def test_the_install_refuses_a_cpu_model_and_the_config_a_bad_name(capsys):
 
 
 def _ptx(kernel, paired: bool) -> str:
-    """`kernel` compiled for sm_90 at the speedrun's heads (6 x 128, bf16), as a launch on 16-byte
-    aligned tensors specialises it."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
-    names = list(kernel.arg_names)
+    """`kernel` compiled for sm_90 at the speedrun's heads (6 x 128, bf16), every pointer aligned."""
     types = {"qk_ptr": "*bf16", "out_ptr": "*bf16", "g_ptr": "*bf16", "dqk_ptr": "*bf16",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32",
-             "which": "i32", "eps": "fp32"}
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32", "eps": "fp32"}
     consts = {"NUM_HEADS": 6, "D": 128, "PAIRED": paired, "BLOCK_ROWS": qk_norm_rope.BLOCK_ROWS}
-    signature = {n: "constexpr" if n in consts else types[n] for n in names}
-    pointers = [i for i, n in enumerate(names) if n.endswith("_ptr")]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in pointers})
-    return triton_compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return sm90_ptx(kernel, types, consts, [n for n in kernel.arg_names if n.endswith("_ptr")])
 
 
 @pytest.mark.parametrize("paired", [False, True])
 def test_both_kernels_compile_for_sm90_with_vector_row_access(paired):
     if qk_norm_rope.interpreted():
         pytest.skip("this process imported triton with TRITON_INTERPRET=1")
-    import re
-
     for kernel in (qk_norm_rope._fwd, qk_norm_rope._bwd):
         ptx = _ptx(kernel, paired)
-        loads, stores = set(re.findall(r"ld\.global[\w.]*", ptx)), set(re.findall(r"st\.global[\w.]*", ptx))
+        loads, stores = global_accesses(ptx, "ld"), global_accesses(ptx, "st")
         assert "ld.global.v4.b32" in loads and "st.global.v4.b32" in stores, (loads, stores)
         assert not any(op.endswith(("b16", "u16")) for op in loads | stores), (loads, stores)

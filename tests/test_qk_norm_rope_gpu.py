@@ -31,7 +31,7 @@ T, H, D = 49_152, 6, 128
 
 
 def _fused(qk, yarn, paired):
-    return qk_norm_rope(qk, yarn.cos.view(-1, D), yarn.sin.view(-1, D), paired)
+    return qk_norm_rope(qk, *yarn.head_tables(), paired)
 
 
 def _fwd_bwd(fn, qk, g, yarn, paired):

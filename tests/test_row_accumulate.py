@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from tests.interpreter_cases import run_interpreter_cases  # noqa: E402
+from tests.triton_ptx import global_accesses, sm90_ptx  # noqa: E402
 from track_1_short.kernels import row_accumulate  # noqa: E402
 
 NUM_CASES = 18  # tests in row_accumulate_cases.py (parametrizations included)
@@ -35,23 +36,14 @@ def test_a_cpu_call_is_an_error():
 
 
 def _atomics_in_ptx(row_width: int) -> set[str]:
-    """The atomic instructions of _vector_atomic_rows compiled for sm_90 as a launch on 16-byte
-    aligned tensors specialises it (pointers and the row stride divisible by 16)."""
-    import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as triton_compile
-
-    kernel = row_accumulate._vector_atomic_rows
-    signature = {"acc_ptr": "*fp32", "grad_ptr": "*fp32", "ids_ptr": "*i64", "n": "i32",
-                 "grad_stride": "i32", "ROW_WIDTH": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_R": "constexpr"}
-    aligned = [0, 1, 2] + ([4] if row_width % 16 == 0 else [])
-    src = ASTSource(fn=kernel, signature=signature, attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
-                    constexprs={"ROW_WIDTH": row_width, "BLOCK_N": row_accumulate.VECTOR_BLOCK_N,
-                                "BLOCK_R": row_accumulate.BLOCK_R})
-    ptx = triton_compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    return set(re.findall(r"atom\.global\.[\w.]*add[\w.]*", ptx))
+    """The atomic adds of _vector_atomic_rows compiled for sm_90 as a launch on 16-byte aligned
+    tensors specialises it (pointers and the row stride divisible by 16)."""
+    types = {"acc_ptr": "*fp32", "grad_ptr": "*fp32", "ids_ptr": "*i64", "n": "i32", "grad_stride": "i32"}
+    aligned = ["acc_ptr", "grad_ptr", "ids_ptr"] + (["grad_stride"] if row_width % 16 == 0 else [])
+    ptx = sm90_ptx(row_accumulate._vector_atomic_rows, types,
+                   {"ROW_WIDTH": row_width, "BLOCK_N": row_accumulate.VECTOR_BLOCK_N,
+                    "BLOCK_R": row_accumulate.BLOCK_R}, aligned)
+    return {op for op in global_accesses(ptx, "atom") if "add" in op}
 
 
 def test_the_vector_kernel_adds_four_columns_per_atomic_on_sm90():

@@ -49,6 +49,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from track_1_short.kernels.device import require_cuda_or_interpreter
+
 ROWS_PER_PROGRAM = 4  # BR: rows of one program (a [BR, next_pow2(R)] tile)
 
 
@@ -88,9 +90,7 @@ def _check(table: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, acc: Tensor, touc
            step: Tensor) -> None:
     """ValueError naming the argument the kernel cannot take."""
     where = "sparse_adam_rows"
-    if table.device.type != "cuda" and not interpreted():
-        raise ValueError(f"{where}: runs on CUDA (or on the CPU with TRITON_INTERPRET=1 set before "
-                         f"triton is imported), got {table.device}; the CPU path is the reference")
+    require_cuda_or_interpreter(table.device, _sparse_adam_rows, where, "the CPU path is the reference")
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("acc", acc)):
         if t.shape != table.shape or not t.is_contiguous():
             raise ValueError(f"{where}: {name} {tuple(t.shape)} must be contiguous and shaped like "

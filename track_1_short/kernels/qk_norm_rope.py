@@ -21,11 +21,11 @@ Math, per head row x [D] (float32 inside, the activations' dtype outside):
 Layouts: the input qk [T, 2, H, D] contiguous (the projection's output viewed), row (t, s, h).
 Output [2, T*H, D]: q = out[0], k = out[1]; unpaired each is [T, H, D] (position t); paired each is
 attention.pair_heads' [2T, H/2, D], row (2t + j, p) holding head 2p + j at doubled position 2t + j,
-whose table is the paired table read as [2P, D] (Yarn.rotate_doubled).
+whose table is the paired table read as [2P, D] (Yarn.head_tables, as Yarn.rotate_doubled).
 
 Registration: `track_1_short::qk_norm_rope` (forward, returns out and the row scales r) and
 `track_1_short::qk_norm_rope_bwd`, torch.library custom ops with fake kernels and autograd, so
-torch.compile(fullgraph) keeps them as two calls and CUDA graphs capture them (no host sync, the
+torch.compile(fullgraph) keeps them as two calls (one launch each, q and k in one grid) and CUDA graphs capture them (no host sync, the
 grid depends on shapes only). Only qk gets a gradient (the tables are buffers).
 
 CPU: the kernels run on CPU tensors only under TRITON_INTERPRET=1 set before triton is imported
@@ -44,23 +44,24 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from track_1_short.kernels.device import require_cuda_or_interpreter
+
 BLOCK_ROWS = 16  # head rows per program
 
 
 @triton.jit
-def _rows(o, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
-    """Output row o of q or k -> (token t, head h, table position)."""
+def _rows(o, which, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
+    """Output row o of q (which 0) or k (1) -> its input row of [T, 2, H, D] and table position."""
     if PAIRED:
         n = o // (NUM_HEADS // 2)
-        p = o % (NUM_HEADS // 2)
         t = n // 2
-        h = 2 * p + n % 2
+        h = 2 * (o % (NUM_HEADS // 2)) + n % 2
         pos = n
     else:
         t = o // NUM_HEADS
         h = o % NUM_HEADS
         pos = t
-    return t, h, pos
+    return ((t * 2 + which) * NUM_HEADS + h).to(tl.int64), pos
 
 
 @triton.jit
@@ -76,12 +77,12 @@ def _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D: tl.constexpr, BLOCK_ROWS
 
 
 @triton.jit
-def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, which, eps,
+def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, eps,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    which = tl.program_id(1)  # 0: q, 1: k
     o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
     rmask = o < n_rows
-    t, h, pos = _rows(o, NUM_HEADS, PAIRED)
-    src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)  # [BR] input rows of [T, 2, H, D]
+    src, pos = _rows(o, which, NUM_HEADS, PAIRED)  # [BR] input rows of [T, 2, H, D], positions
     cols = tl.arange(0, D)
     mask = rmask[:, None]
     x = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -96,12 +97,12 @@ def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, which, eps,
 
 
 @triton.jit
-def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows, which,
+def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    which = tl.program_id(1)
     o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rmask = o < n_rows
-    t, h, pos = _rows(o, NUM_HEADS, PAIRED)
-    src = ((t * 2 + which) * NUM_HEADS + h).to(tl.int64)
+    src, pos = _rows(o, which, NUM_HEADS, PAIRED)
     cols = tl.arange(0, D)
     mask = rmask[:, None]
     g_rows = (which * n_rows + o).to(tl.int64)  # g [2, R, D]: q's, then k's
@@ -121,78 +122,71 @@ def interpreted() -> bool:
     return isinstance(_fwd, InterpretedFunction)
 
 
-def _check(qk: Tensor, cos: Tensor, num_heads: int, paired: bool) -> None:
+def _check(qk: Tensor, cos: Tensor, paired: bool) -> None:
     """ValueError naming what the kernels cannot take."""
-    if qk.device.type != "cuda" and not interpreted():
-        raise ValueError(f"qk_norm_rope: runs on CUDA (or on the CPU with TRITON_INTERPRET=1 set "
-                         f"before triton is imported), got {qk.device}; the reference is "
-                         f"TrainConfig.qk_norm_rope='torch'")
-    if qk.dim() != 4 or qk.shape[1] != 2 or qk.shape[2] != num_heads or not qk.is_contiguous():
-        raise ValueError(f"qk_norm_rope: qk must be a contiguous [T, 2, {num_heads}, D] tensor, got "
+    require_cuda_or_interpreter(qk.device, _fwd, "qk_norm_rope",
+                                "the reference is TrainConfig.qk_norm_rope='torch'")
+    if qk.dim() != 4 or qk.shape[1] != 2 or not qk.is_contiguous():
+        raise ValueError(f"qk_norm_rope: qk must be a contiguous [T, 2, H, D] tensor, got "
                          f"{tuple(qk.shape)}")
-    d = qk.shape[3]
-    if d & (d - 1) or d % 2:
+    h, d = qk.shape[2:]
+    if d < 2 or d & (d - 1):
         raise ValueError(f"qk_norm_rope: head_dim={d} must be a power of two")
-    if paired and num_heads % 2:
-        raise ValueError(f"qk_norm_rope: paired heads need an even head count, got {num_heads}")
+    if paired and h % 2:
+        raise ValueError(f"qk_norm_rope: paired heads need an even head count, got {h}")
     rows = 2 * qk.shape[0] if paired else qk.shape[0]
     if cos.dim() != 2 or cos.shape[1] != d or cos.shape[0] < rows or cos.dtype != torch.float32:
         raise ValueError(f"qk_norm_rope: the table must be float32 [>= {rows}, {d}], got "
                          f"{cos.dtype} {tuple(cos.shape)}")
 
 
-def _launch(qk: Tensor):
+def _launch(qk: Tensor, paired: bool):
+    """(R, grid, meta) of either kernel: one program per BLOCK_ROWS output rows, of q and of k."""
     t, _, h, d = qk.shape
     n_rows = t * h
-    return n_rows, (triton.cdiv(n_rows, BLOCK_ROWS),), dict(NUM_HEADS=h, D=d, BLOCK_ROWS=BLOCK_ROWS,
-                                                         num_warps=4)
+    return n_rows, (triton.cdiv(n_rows, BLOCK_ROWS), 2), dict(
+        NUM_HEADS=h, D=d, PAIRED=paired, BLOCK_ROWS=BLOCK_ROWS, num_warps=4)
 
 
 @torch.library.custom_op("track_1_short::qk_norm_rope", mutates_args=())
-def _qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
-                  paired: bool) -> tuple[Tensor, Tensor]:
-    _check(qk, cos, num_heads, paired)
-    t, _, h, d = qk.shape
-    out = torch.empty(2, t * h, d, dtype=qk.dtype, device=qk.device)  # [2, R, D]: q, k
-    rstd = torch.empty(t * 2 * h, dtype=torch.float32, device=qk.device)  # per input row
-    n_rows, grid, meta = _launch(qk)
+def _qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool) -> tuple[Tensor, Tensor]:
+    _check(qk, cos, paired)
+    out, rstd = _qk_norm_rope_fake(qk, cos, sin, paired)  # [2, R, D]: q, k; [T * 2 * H] per input row
+    n_rows, grid, meta = _launch(qk, paired)
     eps = torch.finfo(torch.float32).eps  # F.rms_norm's default: its float32 opmath's epsilon
-    for which in (0, 1):
-        _fwd[grid](qk, cos, sin, out, rstd, n_rows, which, eps, PAIRED=paired, **meta)
+    _fwd[grid](qk, cos, sin, out, rstd, n_rows, eps, **meta)
     return out, rstd
 
 
 @_qk_norm_rope.register_fake
-def _(qk, cos, sin, num_heads, paired):
+def _qk_norm_rope_fake(qk, cos, sin, paired):
     t, _, h, d = qk.shape
     return qk.new_empty(2, t * h, d), qk.new_empty(t * 2 * h, dtype=torch.float32)
 
 
 @torch.library.custom_op("track_1_short::qk_norm_rope_bwd", mutates_args=())
 def _qk_norm_rope_bwd(g: Tensor, qk: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor,
-                      num_heads: int, paired: bool) -> Tensor:
-    g = g.contiguous()
+                      paired: bool) -> Tensor:
     dqk = torch.empty_like(qk)
-    n_rows, grid, meta = _launch(qk)
-    for which in (0, 1):
-        _bwd[grid](g, qk, cos, sin, rstd, dqk, n_rows, which, PAIRED=paired, **meta)
+    n_rows, grid, meta = _launch(qk, paired)
+    _bwd[grid](g.contiguous(), qk, cos, sin, rstd, dqk, n_rows, **meta)
     return dqk
 
 
 @_qk_norm_rope_bwd.register_fake
-def _(g, qk, cos, sin, rstd, num_heads, paired):
+def _(g, qk, cos, sin, rstd, paired):
     return torch.empty_like(qk)
 
 
 def _setup_context(ctx, inputs, output):
-    qk, cos, sin, num_heads, paired = inputs
+    qk, cos, sin, paired = inputs
     ctx.save_for_backward(qk, cos, sin, output[1])
-    ctx.num_heads, ctx.paired = num_heads, paired
+    ctx.paired = paired
 
 
 def _backward(ctx, g_out: Tensor, _g_rstd: Tensor):
     qk, cos, sin, rstd = ctx.saved_tensors
-    return _qk_norm_rope_bwd(g_out, qk, cos, sin, rstd, ctx.num_heads, ctx.paired), None, None, None, None
+    return _qk_norm_rope_bwd(g_out, qk, cos, sin, rstd, ctx.paired), None, None, None
 
 
 _qk_norm_rope.register_autograd(_backward, setup_context=_setup_context)
@@ -201,9 +195,9 @@ _qk_norm_rope.register_autograd(_backward, setup_context=_setup_context)
 def qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool) -> tuple[Tensor, Tensor]:
     """qk [T, 2, H, D] (contiguous: the qk projection viewed) -> q, k normalised and rotated, each
     [T, H, D] or, paired, [2T, H/2, D] (attention.pair_heads' layout). cos, sin: the Yarn table,
-    float32 [P, D] (paired: Yarn's [P, 2D] table viewed [2P, D]). The module docstring's math; the
+    float32 [rows, D] (Yarn.head_tables(): a paired table viewed [2P, D]). The module docstring's math; the
     model's torch path (model/gpt.norm_rotate) is the reference."""
     t, _, h, d = qk.shape
-    out, _ = _qk_norm_rope(qk, cos, sin, h, paired)
+    out, _ = _qk_norm_rope(qk, cos, sin, paired)
     shape = (2 * t, h // 2, d) if paired else (t, h, d)
     return out[0].view(shape), out[1].view(shape)

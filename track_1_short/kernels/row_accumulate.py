@@ -56,6 +56,8 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
+from track_1_short.kernels.device import require_cuda_or_interpreter
+
 BLOCK_R = 256  # columns per program (R = 768: three programs per run or per row block)
 VECTOR_BLOCK_N = 16  # gradient rows per program of the vector-atomic kernel
 
@@ -100,10 +102,8 @@ def interpreted() -> bool:
 
 def _check(acc: Tensor, ids: Tensor, grad: Tensor, where: str) -> None:
     """ValueError naming the argument the kernel `where` cannot take."""
-    if acc.device.type != "cuda" and not interpreted():
-        raise ValueError(f"{where}: runs on CUDA (or on the CPU with TRITON_INTERPRET=1 set before "
-                         f"triton is imported), got {acc.device}; the reference is "
-                         f"acc.index_add_(0, ids, grad)")
+    require_cuda_or_interpreter(acc.device, _run_sums, where,
+                                "the reference is acc.index_add_(0, ids, grad)")
     if acc.dim() != 2 or not acc.is_contiguous() or acc.dtype != torch.float32:
         raise ValueError(f"{where}: acc must be a contiguous float32 [ROWS, R] tensor, got "
                          f"{acc.dtype} {tuple(acc.shape)}")

@@ -433,8 +433,7 @@ class GPT(nn.Module):
         there is one, except on the paired reference path; else this torch code, its reference."""
         copies = paired and self.config.paired_head_copies
         if self.qk_norm_rope is not None and not copies:
-            dh = qk.shape[-1]
-            return self.qk_norm_rope(qk, yarn.cos.view(-1, dh), yarn.sin.view(-1, dh), paired)
+            return self.qk_norm_rope(qk, *yarn.head_tables(), paired)
         return norm_rotate(qk, yarn, paired, copies)
 
     def _attend(self, i: int, qk: Tensor, v: Tensor, cum_seqlens: Tensor, window: int,

@@ -114,21 +114,28 @@ class Yarn(nn.Module):
         self.cos.copy_(cos)
         self.sin.copy_(sin)
 
+    def head_tables(self) -> tuple[Tensor, Tensor]:
+        """cos, sin [rows, D] (views): row n is the table of a single head's row at position n.
+        The plain tables as they are; a paired table read as [2P, D], an ordinary table of the
+        doubled positions (its row t holds positions 2t and 2t+1)."""
+        d = self.head_dim
+        return self.cos.view(-1, d), self.sin.view(-1, d)
+
+    @staticmethod
+    def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [N, H, W] rotated by the first N rows of the tables cos, sin [rows, W]."""
+        n = x.shape[0]
+        return rotate_pairs(x, cos[:n, None, :].to(x.dtype), sin[:n, None, :].to(x.dtype))
+
     def rotate(self, x: Tensor) -> Tensor:
         """x [T, H, W] at positions 0..T-1 of the packed buffer (T <= max_position)."""
-        t = x.shape[0]
-        cos = self.cos[:t, None, :].to(x.dtype)
-        sin = self.sin[:t, None, :].to(x.dtype)
-        return rotate_pairs(x, cos, sin)
+        return self._rotate(x, self.cos, self.sin)
 
     def rotate_doubled(self, x: Tensor) -> Tensor:
         """x [2T, H/2, D] in attention.pair_heads' layout (a paired table only): row n at doubled
-        position n, so the table read as [2P, D] is an ordinary one (its row t holds positions 2t
-        and 2t+1). Equals pair_heads(rotate(z.reshape(T, H/2, 2D)).view(T, H, D)) for
-        x = pair_heads(z), element by element, with the rotation writing the paired layout."""
+        position n, rotated by head_tables(). Equals pair_heads(rotate(z.reshape(T, H/2, 2D))
+        .view(T, H, D)) for x = pair_heads(z), element by element, with the rotation writing the
+        paired layout."""
         if not self.paired:
             raise ValueError("Yarn.rotate_doubled needs the paired table (Yarn(paired=True))")
-        n, d = x.shape[0], self.head_dim
-        cos = self.cos.view(-1, d)[:n, None, :].to(x.dtype)  # [2T, 1, D]
-        sin = self.sin.view(-1, d)[:n, None, :].to(x.dtype)
-        return rotate_pairs(x, cos, sin)
+        return self._rotate(x, *self.head_tables())
