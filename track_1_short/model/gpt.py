@@ -147,7 +147,10 @@ def norm_rotate(qk: Tensor, yarn: Yarn, paired: bool, copies: bool = False) -> t
     rotated per head at doubled positions (Yarn.rotate_doubled); `copies` (paired only): rotated
     over [T, H/2, 2Dh] and then copied by pair_heads (GPTConfig.paired_head_copies), the same values."""
     t, _, h, dh = qk.shape
-    q, k = rms_norm(qk[:, 0]), rms_norm(qk[:, 1])  # [T, H, Dh] each
+    # unbind, not qk[:, 0] / qk[:, 1]: its backward is one stack that inductor writes in place;
+    # two selects' backward is zeros + select_backward + add, an extra pass (11.6 ms per step
+    # at C in the H200 trace of 2026-12-03)
+    q, k = (rms_norm(z) for z in qk.unbind(1))  # [T, H, Dh] each
     if not paired:
         return yarn.rotate(q), yarn.rotate(k)
     if copies:
