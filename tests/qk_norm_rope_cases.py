@@ -5,7 +5,8 @@ then Yarn.rotate, or on a paired layer Yarn.rotate_doubled(pair_heads(.))),
 forward values and the gradient of qk, unpaired and paired, float32 and bfloat16, after a YaRN
 window change, at a head-row count that is not a multiple of the kernel's row block; the whole
 tiny GPT (four heads: loss and every gradient) with the kernel installed against without; the
-op under torch.compile(fullgraph, aot_eager); and the input errors.
+op under torch.compile(fullgraph) with its backward graph read (q's and k's gradients handed over as
+they are); a gradient through q alone; and the input errors.
 
 Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
 set before triton is first imported, so tests/test_qk_norm_rope.py runs this file in its own
@@ -82,14 +83,50 @@ def test_the_tiny_gpt_with_the_kernel_equals_the_torch_path():
 
 
 def test_under_compile_fullgraph():
+    """The op under compile(fullgraph); its backward graph hands the kernel q's and k's gradients
+    as they are: no select_backward + add assembling one gradient tensor (the extra pass the
+    eighteenth lease's trace showed when q and k were views of one output)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
     torch.manual_seed(0)
+    torch._dynamo.reset()
     yarn = Yarn(head_dim=32, max_position=64, paired=True)
     qk = torch.randn(8, 2, 4, 32, requires_grad=True)
-    q, k = torch.compile(_fused, fullgraph=True, backend="aot_eager")(qk, yarn, True)
-    rq, rk = norm_rotate(qk, yarn, True)
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+    def scaled(x):  # q and k used inside the graph, as the model's attention does
+        return tuple(z * 1.5 for z in _fused(x, yarn, True))
+
+    q, k = torch.compile(scaled, fullgraph=True, backend=backend)(qk)
+    rq, rk = (z * 1.5 for z in norm_rotate(qk, yarn, True))
     assert torch.allclose(q, rq, **TOL[torch.float32]) and torch.allclose(k, rk, **TOL[torch.float32])
     (q.sum() + k.sum()).backward()
     assert qk.grad is not None and qk.grad.shape == qk.shape
+    ops = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    assert "track_1_short.qk_norm_rope_bwd.default" in ops, ops
+    assert not [o for o in ops if "select_backward" in o or o.startswith("aten.add")], ops
+
+
+def test_a_gradient_through_q_alone():
+    """k reaches no loss: its gradient is zeros, as in the torch path."""
+    torch.manual_seed(0)
+    yarn = Yarn(head_dim=32, max_position=64)
+    qk = torch.randn(10, 2, 3, 32)
+    grads = []
+    for fn in (norm_rotate, _fused):
+        x = qk.clone().requires_grad_(True)
+        q, _ = fn(x, yarn, False)
+        (q * torch.arange(32.0)).sum().backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[1], grads[0], **TOL[torch.float32])
+    assert torch.equal(grads[1][:, 1], torch.zeros_like(grads[1][:, 1]))
 
 
 def test_input_errors():

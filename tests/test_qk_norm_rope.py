@@ -23,7 +23,7 @@ from track_1_short.kernels import qk_norm_rope  # noqa: E402
 from track_1_short.model.gpt import GPT, GPTConfig  # noqa: E402
 from track_1_short.trainer import build  # noqa: E402
 
-NUM_CASES = 8  # tests in qk_norm_rope_cases.py (parametrizations included)
+NUM_CASES = 9  # tests in qk_norm_rope_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -51,7 +51,8 @@ def test_the_install_refuses_a_cpu_model_and_the_config_a_bad_name(capsys):
 
 def _ptx(kernel, paired: bool) -> str:
     """`kernel` compiled for sm_90 at the speedrun's heads (6 x 128, bf16), every pointer aligned."""
-    types = {"qk_ptr": "*bf16", "out_ptr": "*bf16", "g_ptr": "*bf16", "dqk_ptr": "*bf16",
+    types = {"qk_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "gq_ptr": "*bf16",
+             "gk_ptr": "*bf16", "dqk_ptr": "*bf16",
              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32", "eps": "fp32"}
     consts = {"NUM_HEADS": 6, "D": 128, "PAIRED": paired, "BLOCK_ROWS": qk_norm_rope.BLOCK_ROWS}
     return sm90_ptx(kernel, types, consts, [n for n in kernel.arg_names if n.endswith("_ptr")])

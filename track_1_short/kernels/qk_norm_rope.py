@@ -19,14 +19,19 @@ Math, per head row x [D] (float32 inside, the activations' dtype outside):
   backward  per pair of the gradient (ga, gb) -> dy = (ga c_i + gb s_i, gb c_i - ga s_i) (the
             rotation's transpose), dx = r (dy - y mean(dy y)).
 Layouts: the input qk [T, 2, H, D] contiguous (the projection's output viewed), row (t, s, h).
-Output [2, T*H, D]: q = out[0], k = out[1]; unpaired each is [T, H, D] (position t); paired each is
-attention.pair_heads' [2T, H/2, D], row (2t + j, p) holding head 2p + j at doubled position 2t + j,
-whose table is the paired table read as [2P, D] (Yarn.head_tables, as Yarn.rotate_doubled).
+Outputs q and k, each [T*H, D] (R rows) and its own tensor; unpaired each is [T, H, D] (position
+t); paired each is attention.pair_heads' [2T, H/2, D], row (2t + j, p) holding head 2p + j at
+doubled position 2t + j, whose table is the paired table read as [2P, D] (Yarn.head_tables, as
+Yarn.rotate_doubled). Two tensors, not two views of one: autograd then hands the backward q's and
+k's gradients as they are. Views of one [2, R, D] output made it assemble that output's gradient
+from two select_backward and an add, one more pass over the gradient (36 us per layer at stage
+A's shapes in the eighteenth lease's trace).
 
-Registration: `track_1_short::qk_norm_rope` (forward, returns out and the row scales r) and
-`track_1_short::qk_norm_rope_bwd`, torch.library custom ops with fake kernels and autograd, so
-torch.compile(fullgraph) keeps them as two calls (one launch each, q and k in one grid) and CUDA graphs capture them (no host sync, the
-grid depends on shapes only). Only qk gets a gradient (the tables are buffers).
+Registration: `track_1_short::qk_norm_rope` (forward: q, k and the row scales r) and
+`track_1_short::qk_norm_rope_bwd` (q's and k's gradients -> qk's), torch.library custom ops with
+fake kernels and autograd, so torch.compile(fullgraph) keeps them as two calls (one launch each,
+q and k in one grid) and CUDA graphs capture them (no host sync, the grid depends on shapes only).
+Only qk gets a gradient (the tables are buffers).
 
 CPU: the kernels run on CPU tensors only under TRITON_INTERPRET=1 set before triton is imported
 (tests/qk_norm_rope_cases.py through tests/test_qk_norm_rope.py); otherwise a CPU call is a
@@ -77,7 +82,17 @@ def _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D: tl.constexpr, BLOCK_ROWS
 
 
 @triton.jit
-def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, eps,
+def _pick(which, q_ptr, k_ptr):
+    """q's tensor (which 0) or k's (1)."""
+    if which == 0:
+        ptr = q_ptr
+    else:
+        ptr = k_ptr
+    return ptr
+
+
+@triton.jit
+def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_rows, eps,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)  # 0: q, 1: k
     o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
@@ -91,13 +106,13 @@ def _fwd(qk_ptr, cos_ptr, sin_ptr, out_ptr, rstd_ptr, n_rows, eps,
     a, b = tl.split(tl.reshape(x, (BLOCK_ROWS, D // 2, 2)))  # each pair (a, b) -> (ac - bs, bc + as)
     out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_ROWS, D)) * rstd[:, None]
     dtype = qk_ptr.dtype.element_ty
-    dst = (which * n_rows + o).to(tl.int64)
-    tl.store(out_ptr + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
+    dst = o.to(tl.int64)
+    tl.store(_pick(which, q_ptr, k_ptr) + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
     tl.store(rstd_ptr + src, rstd, mask=rmask)
 
 
 @triton.jit
-def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
+def _bwd(gq_ptr, gk_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)
     o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -105,8 +120,9 @@ def _bwd(g_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
     src, pos = _rows(o, which, NUM_HEADS, PAIRED)
     cols = tl.arange(0, D)
     mask = rmask[:, None]
-    g_rows = (which * n_rows + o).to(tl.int64)  # g [2, R, D]: q's, then k's
-    g = tl.load(g_ptr + g_rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g_rows = o.to(tl.int64)  # of q's gradient [R, D] or k's
+    g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_rows[:, None] * D + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
     c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D, BLOCK_ROWS)
     ga, gb = tl.split(tl.reshape(g, (BLOCK_ROWS, D // 2, 2)))  # the rotation's transpose per pair
@@ -149,44 +165,49 @@ def _launch(qk: Tensor, paired: bool):
 
 
 @torch.library.custom_op("track_1_short::qk_norm_rope", mutates_args=())
-def _qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool) -> tuple[Tensor, Tensor]:
+def _qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor,
+                  paired: bool) -> tuple[Tensor, Tensor, Tensor]:
     _check(qk, cos, paired)
-    out, rstd = _qk_norm_rope_fake(qk, cos, sin, paired)  # [2, R, D]: q, k; [T * 2 * H] per input row
+    q, k, rstd = _qk_norm_rope_fake(qk, cos, sin, paired)  # [R, D] each; [T * 2 * H] per input row
     n_rows, grid, meta = _launch(qk, paired)
     eps = torch.finfo(torch.float32).eps  # F.rms_norm's default: its float32 opmath's epsilon
-    _fwd[grid](qk, cos, sin, out, rstd, n_rows, eps, **meta)
-    return out, rstd
+    _fwd[grid](qk, cos, sin, q, k, rstd, n_rows, eps, **meta)
+    return q, k, rstd
 
 
 @_qk_norm_rope.register_fake
 def _qk_norm_rope_fake(qk, cos, sin, paired):
     t, _, h, d = qk.shape
-    return qk.new_empty(2, t * h, d), qk.new_empty(t * 2 * h, dtype=torch.float32)
+    return (qk.new_empty(t * h, d), qk.new_empty(t * h, d),
+            qk.new_empty(t * 2 * h, dtype=torch.float32))
 
 
 @torch.library.custom_op("track_1_short::qk_norm_rope_bwd", mutates_args=())
-def _qk_norm_rope_bwd(g: Tensor, qk: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor,
+def _qk_norm_rope_bwd(gq: Tensor, gk: Tensor, qk: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor,
                       paired: bool) -> Tensor:
     dqk = torch.empty_like(qk)
     n_rows, grid, meta = _launch(qk, paired)
-    _bwd[grid](g.contiguous(), qk, cos, sin, rstd, dqk, n_rows, **meta)
+    _bwd[grid](gq.contiguous(), gk.contiguous(), qk, cos, sin, rstd, dqk, n_rows, **meta)
     return dqk
 
 
 @_qk_norm_rope_bwd.register_fake
-def _(g, qk, cos, sin, rstd, paired):
+def _(gq, gk, qk, cos, sin, rstd, paired):
     return torch.empty_like(qk)
 
 
 def _setup_context(ctx, inputs, output):
     qk, cos, sin, paired = inputs
-    ctx.save_for_backward(qk, cos, sin, output[1])
+    ctx.save_for_backward(qk, cos, sin, output[2])
     ctx.paired = paired
 
 
-def _backward(ctx, g_out: Tensor, _g_rstd: Tensor):
+def _backward(ctx, gq: Tensor | None, gk: Tensor | None, _g_rstd: Tensor | None):
     qk, cos, sin, rstd = ctx.saved_tensors
-    return _qk_norm_rope_bwd(g_out, qk, cos, sin, rstd, ctx.paired), None, None, None
+    t, _, h, d = qk.shape
+    # an output that reached no loss has no gradient: zeros, as autograd would have passed
+    gq, gk = (qk.new_zeros(t * h, d) if g is None else g for g in (gq, gk))
+    return _qk_norm_rope_bwd(gq, gk, qk, cos, sin, rstd, ctx.paired), None, None, None
 
 
 _qk_norm_rope.register_autograd(_backward, setup_context=_setup_context)
@@ -198,6 +219,6 @@ def qk_norm_rope(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool) -> tuple[Te
     float32 [rows, D] (Yarn.head_tables(): a paired table viewed [2P, D]). The module docstring's math; the
     model's torch path (model/gpt.norm_rotate) is the reference."""
     t, _, h, d = qk.shape
-    out, _ = _qk_norm_rope(qk, cos, sin, paired)
+    q, k, _ = _qk_norm_rope(qk, cos, sin, paired)  # [R, D] each
     shape = (2 * t, h // 2, d) if paired else (t, h, d)
-    return out[0].view(shape), out[1].view(shape)
+    return q.view(shape), k.view(shape)
