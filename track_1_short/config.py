@@ -174,7 +174,8 @@ class TrainConfig:
     mlp_kernel: str = "torch"
     # q/k rms-norm + RoPE of every attention layer: "torch" (the model's code, inductor's
     # kernels) or "triton" (kernels/qk_norm_rope.py: one pass each way, writing the attention's
-    # layout; CUDA; not yet measured on the H200)
+    # layout; CUDA; 0.969x of the stage-C step on the H200 against a torch path that had
+    # regressed since, so not yet the default)
     qk_norm_rope: str = "torch"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")

@@ -36,7 +36,8 @@ Only qk gets a gradient (the tables are buffers).
 CPU: the kernels run on CPU tensors only under TRITON_INTERPRET=1 set before triton is imported
 (tests/qk_norm_rope_cases.py through tests/test_qk_norm_rope.py); otherwise a CPU call is a
 ValueError. Installed by trainer/build.py where TrainConfig.qk_norm_rope = "triton" (default
-"torch" until measured on the H200).
+"torch": on the H200 the kernel took the stage-C step to 0.969x, but against a torch path that
+had regressed since; docs/results/README.md, eighteenth lease).
 
 Legend: T tokens, H heads, D head_dim, P table rows, R = T*H head rows per output.
 """
