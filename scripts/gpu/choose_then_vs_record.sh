@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # A candidate setting tried at stage C, then our fast step against the record's at A and C with
-# it where it won: two device calls on one warm machine (the second within the first's idle window,
+# it where it won: device calls on one warm machine (each within the one before's idle window,
 # ~30 s), from the repo root ($OUT: the tool's folder):
 #   CANDIDATE="SECTION.FIELD=VALUE ..." bash scripts/gpu/choose_then_vs_record.sh choose
-#       carry [".carry/fa4a", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
-#       "data/embedded"]: 1. the record's timing at its stages 0 and 2 (its compile caches in
-#       .carry/anchor_work, for the second call); 2. ours at C (8 micro-steps, graphs on; the fp8
+#       carry [".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken", "data/embedded"]
+#       (with .carry/fa4a too it is over the device tool's 64 MiB since the tracked files reached
+#       ~15 MiB on disk: send .carry/fa4a alone in a call between the two, e.g. the candidate's
+#       GPU tests; a warm machine keeps the ignored paths a call does not name): 1. the record's
+#       timing at its stages 0 and 2 (its compile caches in .carry/anchor_work, for compare); 2. ours at C (8 micro-steps, graphs on; the fp8
 #       lm head in the recompute schedule with the default attention and MLP: fa4 and quack come
 #       only with the second call's carry) as it is, then with each --set item of CANDIDATE (none:
 #       the baseline alone, and compare runs the fast set as it is); both
@@ -13,8 +15,8 @@
 #       BASE_EXTRA="SECTION.FIELD=VALUE ...": --set items already chosen (e.g. by a kernel
 #       benchmark before this call), in the baseline, the candidate and compare's fast set alike.
 #   bash scripts/gpu/choose_then_vs_record.sh compare
-#       carry [".carry/fa4b", ".carry/anchor_src", ".carry/anchor_modded", ".carry/tiktoken",
-#       "data/embedded"]: scripts/gpu/vs_record.sh at A and C with FlashAttention 4, the quack
+#       carry [".carry/fa4b"] (the rest is still on the machine from the calls before):
+#       scripts/gpu/vs_record.sh at A and C with FlashAttention 4, the quack
 #       MLP and the fp8 lm head (recompute), plus CANDIDATE (as build/choose/ recorded it) where
 #       the first call measured it at least MIN_GAIN (default 0.003) faster at C with at most 60 s
 #       more warmup, and the first call's BASE_EXTRA; the choice in $OUT/choice.txt, the --set
