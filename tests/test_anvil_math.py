@@ -350,6 +350,38 @@ def test_tied_embed_head_and_untie():
     assert not torch.equal(model.embed.weight.detach(), model.lm_head.detach().T)
 
 
+def test_embed_grad_buffer_tied_and_untied_matches_dense_grad():
+    """TrainConfig.embed_grad "pull": embed's gradient arrives in a float32 buffer instead of
+    .grad. Tied, the buffer is added into lm_head's gradient and zeroed; untied, embed's own Adam
+    step consumes and zeroes it; the parameters follow the dense-gradient run step for step."""
+    dense_model, pull_model = Tiny(), Tiny()
+    opts = [AnvilAndAdam(cfgs_of(m), AnvilConfig(), tied_embed_head=(m.embed.weight, m.lm_head))
+            for m in (dense_model, pull_model)]
+    buffer = torch.zeros_like(pull_model.embed.weight)
+    opts[1].set_grad_buffer(pull_model.embed.weight, buffer)
+    gen = torch.Generator().manual_seed(11)
+    for step in range(4):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in dense_model.named_parameters()}
+        for model in (dense_model, pull_model):
+            for n, p in model.named_parameters():
+                if model is pull_model and n == "embed.weight":
+                    buffer.add_(grads[n])
+                else:
+                    p.grad = grads[n].clone() if p.grad is None else p.grad + grads[n]
+        for opt in opts:
+            plan_step(opt, step, 1.0)
+        if step % 2 == 1:  # an Adam step consumed the buffer (tied at step 1, untied at 3)
+            assert buffer.abs().sum() == 0, f"step {step}: the embed gradient buffer not zeroed"
+        else:
+            assert buffer.abs().sum() > 0
+        if step == 1:
+            for opt in opts:
+                opt.untie_embed_head()
+        for (n, pd), pp in zip(dense_model.named_parameters(), pull_model.parameters()):
+            torch.testing.assert_close(pp.detach(), pd.detach(), msg=f"step {step}: {n}")
+    assert not torch.equal(pull_model.embed.weight.detach(), pull_model.lm_head.detach().T)
+
+
 def run_steps(model, opt, steps, seed):
     gen = torch.Generator().manual_seed(seed)
     for step in steps:

@@ -99,6 +99,7 @@ def test_set_reaches_any_scalar_field_after_the_other_flags():
     ("train.fused_loss_schedule=recompute", "recompute is the fp8 lm head's"),
     ("train.fused_loss_schedule=recompute --fp8 --set model.fp8.sites=mlp_up", "recompute is the fp8 lm head's"),
     ("train.ngram_accumulate=atomic", r"ngram_accumulate='atomic': one of \('auto', 'index_add', 'vector_atomic', 'sorted'\)"),
+    ("train.embed_grad=sparse", r"train.embed_grad='sparse': one of \('pull', 'dense'\)"),
 ])
 def test_set_refuses_bad_items_with_exit_2_naming_them(item, needle, capsys):
     item, *flags = item.split(" ")

@@ -128,7 +128,7 @@ def _spied_trunk(model: GPT, inputs, cu, slots):
 
     model._attention_block, model._mlp_block = spy_attention, spy_mlp
     with torch.no_grad():
-        out = model._trunk(inputs, cu, slots, None, None, 32, 96, 256, model.matmuls)
+        out = model._trunk(inputs, cu, slots, None, None, None, 32, 96, 256, model.matmuls)
     return out, attn_in, mlp_out
 
 
@@ -288,7 +288,7 @@ def test_training_loss_terms_against_eval_and_direct_references():
         plain = model(inputs, targets, cu, slots, _fcfg([1.0]))
         ce = model.eval_ce(inputs, targets, cu, slots, 32, 96, 256)
         assert torch.allclose(plain, ce, atol=1e-5)
-        x = model._trunk(inputs, cu, slots, None, None, 32, 96, 256, model.matmuls)
+        x = model._trunk(inputs, cu, slots, None, None, None, 32, 96, 256, model.matmuls)
         capped = softcap(x @ model.lm_head).double()
         lse = capped.logsumexp(-1)
         w = [1.0, 0.5, 0.25]
@@ -303,24 +303,33 @@ def test_training_loss_terms_against_eval_and_direct_references():
     assert torch.allclose(full.double(), expect, atol=1e-4)
 
 
-def test_value_embed_pull_equals_dense_and_sink_gets_gradient():
-    inputs, targets, cu = _batch(128, 8, 3)
+def test_value_embed_and_embed_pull_equal_dense_and_sink_gets_gradient():
+    """The pulled gradients (value embeddings and token embedding, model/value_embed.pull_rows)
+    equal the dense ones, summed over two backwards (the micro-steps of one step) with repeated
+    tokens in each; the pulled tables get no .grad and every other gradient is unchanged."""
     fc = _fcfg([1.0, 0.5], prefix=0.0)
     dense_model, pull_model = _model(), _model()
-    slots = _slots(dense_model, inputs)
-    dense_model(inputs, targets, cu, slots, fc).sum().backward()
+    pulled = {"value_embeds.weight": pull_model.value_embeds.grad_accum,
+              "embed.weight": pull_model.embed_grad_accum}
     sink = pull_model.ngram_table.grad_sink(128)
-    _slots(pull_model, inputs)
-    pull_model(inputs, targets, cu, slots, fc, ngram_sink=sink,
-               value_embed_grad=pull_model.value_embeds.grad_accum).sum().backward()
-    assert pull_model.value_embeds.weight.grad is None
-    dense_grad = dense_model.value_embeds.weight.grad
-    assert dense_grad.abs().sum() > 0
-    assert torch.allclose(pull_model.value_embeds.grad_accum, dense_grad, atol=1e-6)
+    for seed in (3, 4):
+        inputs, targets, cu = _batch(128, 8, seed)
+        assert inputs.unique().numel() < inputs.numel()  # repeated rows sum in the buffer
+        slots = _slots(dense_model, inputs)
+        dense_model(inputs, targets, cu, slots, fc).sum().backward()
+        _slots(pull_model, inputs)
+        pull_model(inputs, targets, cu, slots, fc, ngram_sink=sink,
+                   value_embed_grad=pulled["value_embeds.weight"],
+                   embed_grad=pulled["embed.weight"]).sum().backward()
+    dense = dict(dense_model.named_parameters())
+    for name, buffer in pulled.items():
+        assert dict(pull_model.named_parameters())[name].grad is None, name
+        assert buffer.dtype == torch.float32 and dense[name].grad.abs().sum() > 0
+        assert torch.allclose(buffer, dense[name].grad, atol=1e-6), name
     assert sink.grad is not None and sink.grad.abs().sum() > 0
     for name, p in pull_model.named_parameters():
-        if name != "value_embeds.weight":
-            assert torch.allclose(p.grad, dict(dense_model.named_parameters())[name].grad, atol=1e-6), name
+        if name not in pulled:
+            assert torch.allclose(p.grad, dense[name].grad, atol=1e-6), name
 
 
 def test_prefix_table_filled_in_place():

@@ -34,7 +34,7 @@ def _mudd(**fields) -> MuddConfig:
 
 def _trunk(model: GPT, inputs, cu) -> torch.Tensor:
     with torch.no_grad():
-        return model._trunk(inputs, cu, _slots(model, inputs), None, None, 32, 96, 256, model.matmuls)
+        return model._trunk(inputs, cu, _slots(model, inputs), None, None, None, 32, 96, 256, model.matmuls)
 
 
 def _same_weights(dst: GPT, src: GPT):

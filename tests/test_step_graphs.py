@@ -95,11 +95,12 @@ class FakeGPT(nn.Module):
         self.register_buffer("fp8_scale", torch.ones(()))
 
     def forward(self, inputs, targets, cum_seqlens, ngram_slots, cfg, *, ngram_sink,
-                value_embed_grad):
+                value_embed_grad, embed_grad=None):
         T = inputs.numel()
         ids = inputs.long()
         rows = self.ngram.cache[ngram_slots.long()] + ngram_sink  # [2T, D]
-        x = self.embed[ids] + rows[:T] + rows[T:]  # [T, D]
+        embed = self.embed[ids] if embed_grad is None else _ValueEmbedFn.apply(self.embed, ids, embed_grad)
+        x = embed + rows[:T] + rows[T:]  # [T, D]
         x = x + _ValueEmbedFn.apply(self.value_embed, ids, value_embed_grad)
         doc = torch.searchsorted(cum_seqlens, torch.arange(T, dtype=cum_seqlens.dtype), right=True)
         x = x * (1 + 0.01 * doc.unsqueeze(1).float()) * self.yarn.table
@@ -240,11 +241,14 @@ def make_cfg(plan: StepPlan) -> FakeForwardConfig:
 
 
 class Harness:
-    def __init__(self, model_cls=FakeGPT, graphs=True, micro_steps=1, store=None, **config):
+    def __init__(self, model_cls=FakeGPT, graphs=True, micro_steps=1, store=None,
+                 embed_grad=False, **config):
         torch.manual_seed(0)
         self.model = model_cls()
         self.store = store  # a FakeNgramStore: the rows inside the step
         self.value_embeds = FakeValueEmbeds()
+        # the token embedding's pulled gradient (TrainConfig.embed_grad "pull"), else dense
+        self.embed_grad = torch.zeros(V, D) if embed_grad else None  # [V, D]
         self.keys = step_keys(TINY)
         config = StepGraphsConfig(**{"mode": "on" if graphs else "off", "warm_iterations": 1,
                                      **config})
@@ -253,7 +257,7 @@ class Harness:
             ngram_table=self.model.ngram, value_embeds=self.value_embeds,
             max_step_tokens=MAX_TOKENS, plans=TINY_PLANS, micro_steps=micro_steps,
             backend=(BakingBackend(self.model) if hasattr(model_cls, "in_graph")
-                     else RecordingGraphBackend()), ngram_store=store)
+                     else RecordingGraphBackend()), ngram_store=store, embed_grad=self.embed_grad)
 
     def step(self, step: int, seed: int | None = None, micro_step: int = 0, **batch_kw):
         """One train_step's runner calls; returns (loss value, the n-gram gradient as read right
@@ -524,8 +528,9 @@ def test_paused_gc_restores_state():
         gc.enable()
 
 
-def test_eager_twin_matches_graphs():
-    graphs, eager = Harness(), Harness(graphs=False)
+@pytest.mark.parametrize("embed_grad", [False, True], ids=["dense_embed", "pulled_embed"])
+def test_eager_twin_matches_graphs(embed_grad):
+    graphs, eager = Harness(embed_grad=embed_grad), Harness(graphs=False, embed_grad=embed_grad)
     assert isinstance(graphs.runner, StepGraphs) and isinstance(eager.runner, EagerStep)
     assert isinstance(graphs.runner, StepRunner) and isinstance(eager.runner, StepRunner)
     assert list(eager.runner.baked_tensors()) == [] and eager.runner.capture_report() == []
@@ -535,6 +540,8 @@ def test_eager_twin_matches_graphs():
             for h in (graphs, eager):
                 # warm iterations and capture also added into grad_accum (graphs only)
                 h.value_embeds.grad_accum.zero_()
+                if embed_grad:
+                    h.embed_grad.zero_()
                 h.runner.seal()
         loss_g, held_g = graphs.step(step)
         loss_e, held_e = eager.step(step)
@@ -545,6 +552,26 @@ def test_eager_twin_matches_graphs():
             if pg.grad is not None:
                 torch.testing.assert_close(pg.grad, pe.grad, msg=name)
     torch.testing.assert_close(graphs.value_embeds.grad_accum, eager.value_embeds.grad_accum)
+    if embed_grad:
+        assert graphs.embed_grad.abs().sum() > 0
+        torch.testing.assert_close(graphs.embed_grad, eager.embed_grad)
+
+
+def test_pulled_embed_gradient_equals_dense():
+    """TrainConfig.embed_grad "pull" through the captured step: the embedding's gradient (the
+    fake's head use stays in .grad) plus what its backward added into the buffer is the dense
+    gradient, micro-step after micro-step; the buffer is censused."""
+    h = Harness(micro_steps=2, embed_grad=True)
+    h.warmup_and_seal()
+    h.embed_grad.zero_()
+    dense = [reference_grads(h.model, 2, seed=seed)["embed"] for seed in (7, 8)]
+    for micro_step, seed in enumerate((7, 8)):
+        h.step(2, seed=seed, micro_step=micro_step)
+    assert TINY_PLANS[2].adam_first  # the handoff's window opens at micro-step 0
+    pulled = h.model.embed.grad + h.embed_grad  # the handoff summed the head part over both
+    torch.testing.assert_close(pulled, (dense[0] + dense[1]) / 2)  # loss scale 1 / micro_steps
+    assert h.embed_grad.abs().sum() > 0
+    assert "embed_grad_accum" in [role for role, _ in h.runner.baked_tensors()]
 
 
 def test_config_validation():

@@ -121,6 +121,20 @@ def test_ngram_rows_in_the_step_train_as_around_it(shard_dir, tmp_path, capsys):
             "ngram_rows_in_step"] == (run_id == "inside")
 
 
+def test_pulled_embed_gradient_trains_as_dense(shard_dir, tmp_path):
+    """TrainConfig.embed_grad: the embedding's gradient pulled into its float32 buffer (the
+    default) trains as autograd's dense gradient through Adam steps while tied (--max-steps 6,
+    two slices per step: the buffer sums micro-steps and steps); only the summation order
+    differs."""
+    assert train(micro_config(shard_dir, tmp_path, "dense", max_steps=6, embed_grad="dense")) == 0
+    assert train(micro_config(shard_dir, tmp_path, "pull", max_steps=6)) == 0
+    dense, pull = _losses(tmp_path / "dense"), _losses(tmp_path / "pull")
+    assert sorted(pull) == sorted(dense) == list(range(6))
+    for step, loss in dense.items():
+        assert pull[step] == pytest.approx(loss, rel=1e-5), step
+    assert json.loads((tmp_path / "pull" / "config.json").read_text())["train"]["embed_grad"] == "pull"
+
+
 def test_profile_steps_write_a_trace_and_kernel_stats(shard_dir, tmp_path, capsys):
     """--profile-steps on CPU: the window's chrome trace and profile.json land in the run dir and
     the summary (kernel statistics are zero without a GPU); a window outside the run is refused

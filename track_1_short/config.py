@@ -39,6 +39,7 @@ PRESETS = ("speedrun", "small-gpu", "cpu-tiny")
 OPTIMIZERS = ("anvil", "adamw")
 MLP_KERNELS = ("torch", "quack")  # TrainConfig.mlp_kernel
 QK_NORM_ROPES = ("torch", "triton")  # TrainConfig.qk_norm_rope
+EMBED_GRADS = ("pull", "dense")  # TrainConfig.embed_grad
 # TrainConfig's switches of inductor options for the training forward: field -> option name
 INDUCTOR_OPTIONS = {"max_autotune": "max_autotune",
                     "coordinate_descent_tuning": "coordinate_descent_tuning",
@@ -177,6 +178,12 @@ class TrainConfig:
     # layout; CUDA; 0.969x of the stage-C step on the H200 against a torch path that had
     # regressed since, so not yet the default)
     qk_norm_rope: str = "torch"
+    # the token embedding's gradient: "pull" (its backward adds the micro-step's rows into one
+    # persistent float32 buffer, GPT.embed_grad_accum, which Adam reads on its steps and zeroes:
+    # no dense [V, D] gradient and no accumulator add per micro-step, as for the value
+    # embeddings) or "dense" (autograd's embedding backward, a [V, D] gradient per micro-step
+    # summed by the step runner's accumulator)
+    embed_grad: str = "pull"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -218,6 +225,8 @@ class TrainConfig:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
         if self.qk_norm_rope not in QK_NORM_ROPES:
             raise ValueError(f"train.qk_norm_rope={self.qk_norm_rope!r}: one of {QK_NORM_ROPES}")
+        if self.embed_grad not in EMBED_GRADS:
+            raise ValueError(f"train.embed_grad={self.embed_grad!r}: one of {EMBED_GRADS}")
         if self.fused_loss_schedule not in FUSED_LOSS_SCHEDULES:
             raise ValueError(f"train.fused_loss_schedule={self.fused_loss_schedule!r}: one of "
                              f"{FUSED_LOSS_SCHEDULES}")

@@ -21,7 +21,8 @@ Parameters (names optim/anvil_config.PARAM_TABLE keys on):
   `vo_bank` [NVO, D, D] one per (attention layer, {V, O}), `mlp_bank` [NL, 2, F, D] (c_fc [F, D]
   out x in, c_proj [F, D] stored in x out). Each bank's MATRIX count (NQK, NVO, 2*NL) is padded to a
   multiple of bank_pad_multiple (mlp_bank: NL entries of 2 matrices); pads are zero, unused.
-- adam: `embed.weight` [V, D], `lm_head` [D, V] (transposed, HEAD layout), `value_embeds.weight`
+- adam: `embed.weight` [V, D] (gradient through the float32 buffer `embed_grad_accum` when the
+  trainer passes it as forward's embed_grad), `lm_head` [D, V] (transposed, HEAD layout), `value_embeds.weight`
   [NVE*V, D] (gradient through ValueEmbedPull.grad_accum when the trainer passes it), scalars
   `sa_lambdas`, `resid_lambdas`, `post_lambdas` [L, 2], `x0_lambdas`, `ngram_lambdas` [L],
   `smear_lambda`, `skip_lambda` [], gates `smear_gate.weight` [1, 12], `skip_gate` [],
@@ -76,7 +77,7 @@ from track_1_short.model.mudd import (CONNECTION_IN, CONNECTION_OUT, CoefBlocks,
                                       GateValues, ScalarInits, connection_inits, dc_correction,
                                       dc_weights, named, xsa)
 from track_1_short.model.ngram_lookup import NgramLookup
-from track_1_short.model.value_embed import ValueEmbedPull
+from track_1_short.model.value_embed import ValueEmbedPull, pull_rows
 from track_1_short.model.yarn import Yarn
 
 SMEAR_DIMS = 12  # facts 1.2: the smear gate reads x[t][:12]
@@ -177,6 +178,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Parameter(torch.randn(d, v) * c.lm_head_init_std)  # [D, V]
         with torch.no_grad():
             self.embed.weight.copy_(self.lm_head.T)
+        # the token embedding's pulled gradient (forward's embed_grad; float32 whatever the
+        # table's dtype: a micro-step's repeated tokens and the micro-steps sum in it)
+        self.register_buffer("embed_grad_accum", torch.zeros(v, d), persistent=False)  # [V, D]
         self.value_embeds = ValueEmbedPull(len(c.value_embed_layers), v, d)
         self.ngram_table = NgramLookup(c.ngram)  # the lookup only: the table is the trainer's NgramStore
 
@@ -273,9 +277,12 @@ class GPT(nn.Module):
 
     def forward(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
                 cfg: ForwardScheduleConfig, ngram_sink: Tensor | None = None,
-                value_embed_grad: Tensor | None = None) -> Tensor:
-        """Per-token training loss float32 [T]; the trainer backpropagates loss.sum()."""
-        x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
+                value_embed_grad: Tensor | None = None, embed_grad: Tensor | None = None) -> Tensor:
+        """Per-token training loss float32 [T]; the trainer backpropagates loss.sum().
+        value_embed_grad / embed_grad: persistent buffers the value-embedding tables' / the token
+        embedding's backward adds into (model/value_embed.pull_rows; those tables then get no
+        .grad), or None for dense gradients."""
+        x = self._trunk(inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad, embed_grad,
                         cfg.ws_short, cfg.ws_long, cfg.train_max_seq_len, self.matmuls)  # [T, D]
         prefix_targets = self.prefix_table[targets]  # [T], -1: no prefix term
         if self.head_loss is not None:
@@ -287,8 +294,8 @@ class GPT(nn.Module):
     def eval_ce(self, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor, ngram_slots: Tensor,
                 ws_short: int, ws_long: int, max_seq_len: int) -> Tensor:
         """Per-token CE float32 [T] (no MTP, no prefix term, no fp8), logits in chunks."""
-        x = self._trunk(inputs, cum_seqlens, ngram_slots, None, None, ws_short, ws_long, max_seq_len,
-                        EVAL_MATMULS)
+        x = self._trunk(inputs, cum_seqlens, ngram_slots, None, None, None, ws_short, ws_long,
+                        max_seq_len, EVAL_MATMULS)
         chunk = self.config.eval_chunk_tokens
         out = []
         for start in range(0, x.shape[0], chunk):
@@ -303,7 +310,7 @@ class GPT(nn.Module):
             return "flex" if device.type == "cuda" else "reference"
         raise ValueError("call model.resolve_attention_backend(device) before the first forward")
 
-    def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad,
+    def _trunk(self, inputs, cum_seqlens, ngram_slots, ngram_sink, value_embed_grad, embed_grad,
                ws_short: int, ws_long: int, max_seq_len: int, matmuls: PlainMatmuls) -> Tensor:
         """Embedding through the last layer; returns rms_norm(x) [T, D]. `matmuls`: the MLP
         projections' strategy (the training forward's self.matmuls; eval's plain one)."""
@@ -311,7 +318,7 @@ class GPT(nn.Module):
         backend = self._backend(inputs.device)
         last = c.num_layers - 1
         banks = self._bank_views()
-        x = self.embed(inputs)  # [T, D]
+        x = pull_rows(self.embed.weight, inputs.long(), embed_grad)  # [T, D]
         ngram = self.ngram_table.gather(ngram_slots, ngram_sink).to(x.dtype)  # [T, D]
         gate = torch.sigmoid(F.linear(x[1:, :SMEAR_DIMS], self.smear_gate.weight.to(x.dtype)))
         x = torch.cat([x[:1], x[1:] + self.smear_lambda.to(x.dtype) * gate * x[:-1]])

@@ -18,6 +18,9 @@ the optimizer reads grad_accum as the weight's gradient (AnvilAndAdam.set_grad_b
 steps, updates `weight`, then zeroes grad_accum in place. With grad_accum=None, lookup is a plain
 differentiable gather (dense .grad; eval and reference tests). Single-device tensor ops only: this
 module is model/ (the trainer's perf/value_embed_pull.py re-exports it under the seed's name).
+`pull_rows` is the gather itself, shared with the token embedding (GPT's `embed_grad_accum`, the
+same pattern for the one [V, D] table: no dense [V, D] gradient per micro-step and no
+accumulator add, TrainConfig.embed_grad).
 
 Provenance: our design (DESIGN.md section 4, "ValueEmbedPull"); HEAD value embedding init
 0.01 * randn (facts 1.1). Legend: NT tables, V vocab, D model dim, T tokens.
@@ -43,6 +46,17 @@ class _PullRows(torch.autograd.Function):
         return None, None, None
 
 
+def pull_rows(weight: Tensor, ids: Tensor, grad_accum: Tensor | None) -> Tensor:
+    """weight[ids] [T, D] for int64 ids [T]. With `grad_accum` (a persistent buffer of weight's
+    shape) the backward adds the T rows' gradient into it (index_add_, in its dtype) and gives
+    weight no gradient; with None it is a plain differentiable gather (dense weight.grad, the
+    reference the pulled path is tested against). The one definition of the pulled gather: the
+    value-embedding tables here and the token embedding (GPT.forward's embed_grad) use it."""
+    if grad_accum is None:
+        return weight[ids]
+    return _PullRows.apply(weight, ids, grad_accum)
+
+
 class ValueEmbedPull(nn.Module):
     """Concern: the value-embedding tables and their row gather, whose backward adds into a
     persistent gradient buffer (grad_accum) instead of a dense table gradient."""
@@ -59,10 +73,7 @@ class ValueEmbedPull(nn.Module):
 
     def lookup(self, table: int, ids: Tensor, grad_accum: Tensor | None = None) -> Tensor:
         """Rows of table `table` (a Python int) for token ids [T] -> [T, D]."""
-        flat_ids = ids.long() + table * self.vocab_size  # [T]
-        if grad_accum is None:
-            return self.weight[flat_ids]
-        return _PullRows.apply(self.weight, flat_ids, grad_accum)
+        return pull_rows(self.weight, ids.long() + table * self.vocab_size, grad_accum)
 
     @torch.no_grad()
     def zero_grad_accum_(self):

@@ -32,8 +32,9 @@ the tie state, so a CUDA graph per cadence can capture it; `step` only names fai
 `zero_grad(adam_step)`, which drops ANVIL grads every step and Adam grads only after an Adam step,
 so between Adam steps the next backward (GradHandoff's persistent accumulator, which adds unless
 the plan opens a window: StepPlan.adam_first) adds into the kept .grad.
-value_embeds: its gradient never reaches p.grad; `set_grad_buffer(param, ValueEmbedPull.grad_accum)`
-makes step() read that buffer instead and zero it in place after the Adam update consumed it.
+value_embeds (and embed with TrainConfig.embed_grad "pull"): its gradient never reaches p.grad;
+`set_grad_buffer(param, buffer)` makes step() read that buffer instead and zero it in place after
+the Adam update (or, for the tied embed, lm_head's gradient) consumed it.
 Tied embed/lm_head (`tied_embed_head=(embed, lm_head)`, lm_head stored [d, V]): while tied, on Adam
 steps embed.grad.T is added into lm_head's gradient, only lm_head is updated, and embed <- lm_head.T.
 Call `untie_embed_head()` once, right after step() of the split step (the first step of stage C,
@@ -354,6 +355,9 @@ class AnvilAndAdam:
         if self.tied:
             embed, head = self.tied
             self._grad(head, step).add_(self._grad(embed, step).T)
+            buffer = self.grad_buffers.get(embed.param)
+            if buffer is not None:
+                buffer.zero_()  # consumed into lm_head's: the owner accumulates afresh
         for a in self.adam_group + self.adam_tables:
             if self.tied and a is self.tied[0]:
                 continue

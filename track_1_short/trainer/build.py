@@ -19,13 +19,16 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
   5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
-     takes value_embeds' gradient buffer; wrapped in OptimizerGraphs (its device half captured
+     takes value_embeds' gradient buffer (and the token embedding's, TrainConfig.embed_grad
+     "pull"); wrapped in OptimizerGraphs (its device half captured
      per cadence, perf/cuda_graphs/optimizer_graphs.py) with --graphs on, on one rank;
   6. compile: wraps the model as it now is (every later change would be a recompile);
   7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
      to the optimizer's parameters; the row prefetch wraps the sharded table. On one rank (with
      TrainConfig.ngram_rows_in_step) the runner also pulls and holds the n-gram rows inside its
-     forward and backward (ngram_rows_in_step below), so both get the store.
+     forward and backward (ngram_rows_in_step below), so both get the store; with
+     TrainConfig.embed_grad "pull" its forward passes GPT.embed_grad_accum as the embedding's
+     gradient buffer (the one step 5 gave the optimizer).
 
 Call order: lifecycle.py: make_spec -> build_model -> prepare_model -> build_run (data, metrics).
 """
@@ -105,6 +108,8 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
                            tied_embed_head=(model.embed.weight, model.lm_head),
                            names={p: n for n, p in model.named_parameters()})
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
+    if cfg.train.embed_grad == "pull":
+        opt.set_grad_buffer(model.embed.weight, model.embed_grad_accum)
     return opt
 
 
@@ -270,7 +275,8 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
                               ngram_table=model.ngram_table, value_embeds=model.value_embeds,
                               max_step_tokens=max(k.tokens for k in keys), plans=spec.plans,
                               micro_steps=spec.micro_steps, device=device, backend=graph_backend,
-                              ngram_store=ngram if in_step else None)
+                              ngram_store=ngram if in_step else None,
+                              embed_grad=model.embed_grad_accum if cfg.train.embed_grad == "pull" else None)
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
                      runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram, rows_in_step=in_step),

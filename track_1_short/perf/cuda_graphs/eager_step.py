@@ -42,8 +42,11 @@ class EagerStep:
 
     def __init__(self, model: nn.Module, optimizer: AnvilAndAdam, step_keys: list[StepGraphKey],
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, *,
-                 plans: Sequence[StepPlan], micro_steps: int, ngram_store: NgramStore | None = None):
+                 plans: Sequence[StepPlan], micro_steps: int, ngram_store: NgramStore | None = None,
+                 embed_grad: Tensor | None = None):
+        """As StepGraphs' (embed_grad: the token embedding's pulled-gradient buffer or None)."""
         self.model = model
+        self.embed_grad = embed_grad
         self.ngram_store = ngram_store  # rows inside the step (one rank), else None
         self.params = list(optimizer.param_cfgs)
         self.handoff = GradHandoff(optimizer.param_cfgs, plans, micro_steps)
@@ -66,7 +69,7 @@ class EagerStep:
         sink = self.ngram_table.grad_sink(batch.inputs.numel())
         loss = training_loss(self.model, batch.inputs, batch.targets, batch.cum_seqlens,
                              ngram_slots, cfg, sink, self.value_embeds.grad_accum,
-                             self.handoff.loss_scale)
+                             self.handoff.loss_scale, embed_grad=self.embed_grad)
         self.in_flight = (step, micro_step, loss, sink, ids)
         return loss.detach()
 

@@ -99,10 +99,22 @@ class GradHandoff:
             first = micro_step == 0 if anvil else adam_first
             (copies if first else adds).append((acc, grad))
             p.grad = acc
-        if copies:
-            torch._foreach_copy_([acc for acc, _ in copies], [g for _, g in copies])
-        if adds:
-            torch._foreach_add_([acc for acc, _ in adds], [g for _, g in adds])
+        for accs, grads in _by_dtype(copies):
+            torch._foreach_copy_(accs, grads)
+        for accs, grads in _by_dtype(adds):
+            torch._foreach_add_(accs, grads)
+
+
+def _by_dtype(pairs: list[tuple[Tensor, Tensor]]) -> list[tuple[list[Tensor], list[Tensor]]]:
+    """(accumulators, gradients) grouped by (device, dtype): a foreach call over mixed dtypes takes
+    torch's per-tensor slow path (one kernel per tensor: ~40 small float32 adds per step beside
+    the bf16 ones, measured on the H200); per group it is one multi-tensor kernel."""
+    groups: dict[tuple, tuple[list[Tensor], list[Tensor]]] = {}
+    for acc, grad in pairs:
+        accs, grads = groups.setdefault((acc.device, acc.dtype, grad.dtype), ([], []))
+        accs.append(acc)
+        grads.append(grad)
+    return list(groups.values())
 
 
 def check_ngram_grad(key: StepGraphKey, ngram_grad: Tensor | None) -> None:

@@ -25,8 +25,8 @@ What must stay address-stable (a replay reads and writes the addresses the captu
 - with rows in the step, the store's table, row accumulator and touched flags (NgramStore.baked_tensors)
 - every parameter's .data and every model buffer (fp8 scales, YaRN tables, n-gram row
   cache, prefix table), the n-gram sink leaves (NgramTable.grad_sink / .sinks, the model's
-  lookup), value_embeds' gradient buffer (ValueEmbedPull.grad_accum), and the persistent gradient
-  accumulators (grad_handoff.py) owned here.
+  lookup), value_embeds' gradient buffer (ValueEmbedPull.grad_accum), the token embedding's
+  (GPT.embed_grad_accum, TrainConfig.embed_grad "pull"), and the persistent gradient accumulators (grad_handoff.py) owned here.
 baked_addresses.py censuses all of them (baked_tensors() reads them live from their owners) before
 and after the post-warmup reset. Python values the capture froze: the key (checked against the
 schedule at every forward) and the three YaRN attention scales (re-checked at every replay).
@@ -192,9 +192,12 @@ class StepGraphs:
                  ngram_table: NgramTable, value_embeds: ValueEmbedPull, max_step_tokens: int, *,
                  plans: Sequence[StepPlan], micro_steps: int,
                  config: StepGraphsConfig | None = None, backend: GraphBackend | None = None,
-                 device: torch.device | None = None, ngram_store: NgramStore | None = None):
+                 device: torch.device | None = None, ngram_store: NgramStore | None = None,
+                 embed_grad: Tensor | None = None):
         """ngram_store: the rows inside the step (one rank; NgramStore.rows_in_step): forward() then
-        takes ngram_slots None and the graphs pull and hold the rows."""
+        takes ngram_slots None and the graphs pull and hold the rows. embed_grad: the token
+        embedding's pulled-gradient buffer (GPT.embed_grad_accum; the backward adds into it and
+        the embedding gets no .grad), or None for its dense gradient."""
         if ngram_store is not None and not ngram_store.rows_in_step:
             raise StepGraphError(f"rows inside the step need one rank; the n-gram store is sharded "
                                  f"over {ngram_store.world_size}")
@@ -207,6 +210,7 @@ class StepGraphs:
         self.step_keys = list(step_keys)  # step -> key, for every training step
         self.ngram_table = ngram_table
         self.value_embeds = value_embeds
+        self.embed_grad = embed_grad
         self.max_step_tokens = max_step_tokens
         self.backend = backend or CudaGraphBackend()
         self.stream = self.backend.new_stream(device)
@@ -231,7 +235,8 @@ class StepGraphs:
         if self.ngram_store is not None:  # rows in the step: the forward graph pulls them
             self.ngram_store.pull_(s.inputs, s.ngram_ids, s.ngram_slots)
         return training_loss(self.model, s.inputs, s.targets, s.cum_seqlens, s.ngram_slots, cs.cfg,
-                             cs.ngram_sink, self.value_embeds.grad_accum, self.handoff.loss_scale)
+                             cs.ngram_sink, self.value_embeds.grad_accum, self.handoff.loss_scale,
+                             embed_grad=self.embed_grad)
 
     def _leaves(self, cs: CapturedStep) -> list[Tensor]:
         """What the captured backward differentiates: every parameter, then the n-gram sink."""
@@ -338,7 +343,7 @@ class StepGraphs:
                                              pool=self.pool, stream=self.stream, key=key,
                                              after_backward=self._after_backward(cs))
         cs.loss = pair.loss
-        # value_embeds' table gets None: its gradient goes to ValueEmbedPull.grad_accum instead.
+        # value_embeds' table (and the pulled embedding's) gets None: its gradient went to its buffer.
         cs.grads = [(p, g) for p, g in zip(self.params, pair.grads) if g is not None]
         cs.ngram_grad = pair.grads[-1]
         check_ngram_grad(key, cs.ngram_grad)
@@ -417,6 +422,8 @@ class StepGraphs:
         """(role, tensor) for every tensor the step graphs bake or hand to the optimizer that the
         model's parameters and buffers do not cover, read live from their owners (a rebind shows)."""
         yield "value_embeds.grad_accum", self.value_embeds.grad_accum
+        if self.embed_grad is not None:
+            yield "embed_grad_accum", self.embed_grad
         for tokens, sink in self.ngram_table.sinks.items():
             yield f"ngram_table.sinks[{tokens}]", sink
         for p, acc in self.handoff.accumulators.items():
@@ -444,13 +451,15 @@ def make_step_runner(config: StepGraphsConfig, *, model: nn.Module, optimizer: A
                      value_embeds: ValueEmbedPull, max_step_tokens: int, plans: Sequence[StepPlan],
                      micro_steps: int, device: torch.device | None = None,
                      backend: GraphBackend | None = None,
-                     ngram_store: NgramStore | None = None) -> StepRunner:
+                     ngram_store: NgramStore | None = None,
+                     embed_grad: Tensor | None = None) -> StepRunner:
     """`--graphs off` -> EagerStep; `on` / `check` -> StepGraphs. `plans`: the schedule's plan of
     every step (GradHandoff's copy vs add); `micro_steps`: backwards per step (RunSpec.micro_steps);
-    `ngram_store`: the n-gram rows pulled and held inside the step (one rank), else None."""
+    `ngram_store`: the n-gram rows pulled and held inside the step (one rank), else None;
+    `embed_grad`: the token embedding's pulled-gradient buffer, else None (dense .grad)."""
     if config.mode == "off":
         return EagerStep(model, optimizer, step_keys, ngram_table, value_embeds, plans=plans,
-                         micro_steps=micro_steps, ngram_store=ngram_store)
+                         micro_steps=micro_steps, ngram_store=ngram_store, embed_grad=embed_grad)
     return StepGraphs(model, optimizer, step_keys, ngram_table, value_embeds, max_step_tokens,
                       plans=plans, micro_steps=micro_steps, config=config, backend=backend, device=device,
-                      ngram_store=ngram_store)
+                      ngram_store=ngram_store, embed_grad=embed_grad)

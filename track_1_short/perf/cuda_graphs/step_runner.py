@@ -94,9 +94,12 @@ def check_rows_mode(step: int, ngram_slots: Tensor | None, ngram_store: object |
 
 def training_loss(model: nn.Module, inputs: Tensor, targets: Tensor, cum_seqlens: Tensor,
                   ngram_slots: Tensor, cfg: ForwardScheduleConfig, ngram_sink: Tensor,
-                  value_embed_grad: Tensor, grad_scale: float = 1.0) -> Tensor:
+                  value_embed_grad: Tensor, grad_scale: float = 1.0,
+                  embed_grad: Tensor | None = None) -> Tensor:
     """THE step loss (0-d): the single definition run by the capture, the warm iterations, the
     self-check and the eager twin. grad_scale = 1 / micro_steps (a constant of the run): with
-    the optimizer's AVG over ranks, every world size then sees the mean over the step's slices."""
+    the optimizer's AVG over ranks, every world size then sees the mean over the step's slices.
+    embed_grad: the token embedding's pulled-gradient buffer (TrainConfig.embed_grad "pull"), or
+    None for its dense .grad."""
     return model(inputs, targets, cum_seqlens, ngram_slots, cfg, ngram_sink=ngram_sink,
-                 value_embed_grad=value_embed_grad).sum() * grad_scale
+                 value_embed_grad=value_embed_grad, embed_grad=embed_grad).sum() * grad_scale
