@@ -27,6 +27,7 @@ Provenance: our design (DESIGN.md section 4, "ValueEmbedPull"); HEAD value embed
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -53,7 +54,10 @@ def pull_rows(weight: Tensor, ids: Tensor, grad_accum: Tensor | None) -> Tensor:
     reference the pulled path is tested against). The one definition of the pulled gather: the
     value-embedding tables here and the token embedding (GPT.forward's embed_grad) use it."""
     if grad_accum is None:
-        return weight[ids]
+        # F.embedding, not weight[ids]: its backward sums in float32 (indexing's backward adds
+        # in weight's dtype with atomics: a bf16 table's gradient then differed by 1.4% between
+        # a captured backward and an eager one on the H200, failing the step graphs' self-check)
+        return F.embedding(ids, weight)
     return _PullRows.apply(weight, ids, grad_accum)
 
 

@@ -8,4 +8,9 @@
 # autograd's dense embedding gradient (train.embed_grad=dense, the code before): the change side by
 # side at C. Prediction: dense slower by ~2 ms per step (the [V, D] embedding backward, ~0.2 ms per
 # micro-step at C in the lease-19 trace, and its accumulator add, ~0.06 ms, gone).
+# First attempt at d79a3f4 (docs/results/vs_record_h200_2026-12-04_lease20/call1a/): the baseline
+# ran (634.3 ms); the dense candidate failed the step graphs' self-check (embed.weight's gradient
+# 1.4% off eager): the dense path then gathered with weight[ids], whose backward adds in bf16 with
+# atomics; pull_rows' dense path is F.embedding since (float32 sums, as before this change). The
+# machine went back while that was fixed: this script ran again on a new one (call1/).
 BASE_EXTRA="train.qk_norm_rope=triton" CANDIDATE="train.embed_grad=dense" bash scripts/gpu/choose_then_vs_record.sh choose
