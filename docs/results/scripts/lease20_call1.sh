@@ -12,5 +12,7 @@
 # ran (634.3 ms); the dense candidate failed the step graphs' self-check (embed.weight's gradient
 # 1.4% off eager): the dense path then gathered with weight[ids], whose backward adds in bf16 with
 # atomics; pull_rows' dense path is F.embedding since (float32 sums, as before this change). The
-# machine went back while that was fixed: this script ran again on a new one (call1/).
+# machine went back while that was fixed: this script ran again on a new one (call1/), code at
+# 93cd7f5 (the JSONs' git_revision reads 9874465-dirty: the device copy is the working tree over
+# the session's first commit), 467 s wall; the first attempt 463 s.
 BASE_EXTRA="train.qk_norm_rope=triton" CANDIDATE="train.embed_grad=dense" bash scripts/gpu/choose_then_vs_record.sh choose
