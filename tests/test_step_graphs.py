@@ -145,6 +145,32 @@ class GradBakingGPT(FakeGPT):
         return w * 0.5 + (w * 0.5).detach() if self.in_graph else w
 
 
+class PullBakingGPT(FakeGPT):
+    """Stands in for a graph whose backward adds a wrong gradient into a pulled buffer (the loss
+    and every .grad right): inside a "graph" the rows pulled for `pulled` ("value_embed" or
+    "embed") pass half their gradient to the buffer."""
+
+    in_graph = False
+    pulled = "value_embed"
+
+    def forward(self, inputs, targets, cum_seqlens, ngram_slots, cfg, *, ngram_sink,
+                value_embed_grad, embed_grad=None):
+        original = _ValueEmbedFn.apply
+
+        def halved(table, ids, grad_accum):
+            rows = original(table, ids, grad_accum)
+            if self.in_graph and table is getattr(self, self.pulled):
+                return rows * 0.5 + (rows * 0.5).detach()
+            return rows
+        _ValueEmbedFn.apply = halved
+        try:
+            return super().forward(inputs, targets, cum_seqlens, ngram_slots, cfg,
+                                   ngram_sink=ngram_sink, value_embed_grad=value_embed_grad,
+                                   embed_grad=embed_grad)
+        finally:
+            _ValueEmbedFn.apply = original
+
+
 class BakingBackend(RecordingGraphBackend):
     """Marks the model as inside a graph while the captured forward runs (capture and replays)."""
 
@@ -466,6 +492,41 @@ def test_self_check_catches_wrong_gradients_with_a_right_loss():
     with pytest.raises(StepGraphError, match=r"step 1: step graph .* gradient of bank_mlp .*"
                                              r"relative error 0\.5"):
         h.step(1)
+
+
+@pytest.mark.parametrize("pulled,name", [("value_embed", "value_embeds.grad_accum"),
+                                         ("embed", "embed_grad_accum")])
+def test_self_check_catches_a_wrong_pulled_gradient(pulled, name):
+    """The gradient a captured backward adds into a pulled buffer (value embeddings, the token
+    embedding with TrainConfig.embed_grad "pull") is compared with the eager backward's addition."""
+    model_cls = type("Pull", (PullBakingGPT,), {"pulled": pulled})
+    h = Harness(model_cls=model_cls, embed_grad=pulled == "embed")
+    h.step(0)
+    with pytest.raises(StepGraphError, match=rf"step 1: step graph .* gradient of {name} .*"
+                                             r"relative error 0\.5"):
+        h.step(1)
+
+
+def test_self_check_leaves_the_pulled_buffers_with_the_replays_addition_only():
+    """After the key's first check the pulled buffers hold what the replay added (the eager
+    backward's addition is taken back), as on an unchecked replay."""
+    h = Harness(embed_grad=True)
+    h.step(0)  # capture
+    buffers = (h.value_embeds.grad_accum, h.embed_grad)
+    for b in buffers:
+        b.zero_()
+    h.step(1)  # the first replay of the key, checked
+    model = copy.deepcopy(h.model)
+    plan = TINY.plan(1)
+    batch, slots = make_batch(plan, 100)
+    expected = [torch.zeros(V, D), torch.zeros(V, D)]
+    training_loss(model, batch.inputs, batch.targets, batch.cum_seqlens, slots, make_cfg(plan),
+                  torch.zeros(2 * plan.tokens_per_rank, D, requires_grad=True), expected[0],
+                  embed_grad=expected[1]).backward()
+    assert h.runner.capture_report()[0]["self_checks"] == 1
+    for b, e in zip(buffers, expected):
+        assert e.abs().sum() > 0
+        torch.testing.assert_close(b, e)
 
 
 def test_self_check_records_gradient_error():

@@ -45,7 +45,9 @@ StepRunner). After warmup: post-warmup reset, census compared, runner.seal().
 Capture protocol: the first warmup visit of a key runs WARM_ITERATIONS eager iterations on the side
 stream and captures both graphs (capture_support), then replays the forward; the second visit
 replays both and compares the loss with an eager forward and every gradient with an eager backward
-on the same buffers (an op that is not capture-safe can replay a right loss and wrong gradients).
+on the same buffers (an op that is not capture-safe can replay a right loss and wrong gradients),
+the pulled ones too: what the replay added into value_embeds' and the token embedding's gradient
+buffers against what the eager backward adds (then taken back out).
 The eager forward runs with grad mode on, so it reuses the key's compiled graph. seal() then makes
 a missing or unchecked key fatal. `--graphs check` repeats the loss self-check on a deterministic
 sample of timed steps (not the gradient check: its eager backward would add to value_embeds'
@@ -306,13 +308,15 @@ class StepGraphs:
         if flight is None:
             raise StepGraphError("backward() without a preceding forward()")
         self.in_flight = None
+        # the key's first check: the pulled buffers as they were, to isolate what the replay adds
+        before = [b.clone() for _, b in self._pulled()] if flight.check_grads else None
         backward_ms = self._replay(flight.cs.backward, timed=flight.forward_ms is not None)
         if backward_ms is not None:
             self.stats[flight.cs.key].replay_ms = flight.forward_ms + backward_ms
         if flight.check_grads:
-            # Warmup only: the eager backward also adds into value_embeds' grad_accum once more,
-            # which the post-warmup reset clears (a timed step must not have that side effect).
-            self._check_grads(flight.cs, flight.step)
+            # Warmup only: the eager backward adds into the pulled buffers too; _check_grads
+            # compares that with the replay's addition and puts the buffers back after the replay.
+            self._check_grads(flight.cs, flight.step, before)
             self.unchecked.discard(flight.cs.key)
         self.handoff.hand_over(flight.step, flight.micro_step, flight.cs.grads)
         return None if self.ngram_store is not None else flight.cs.ngram_grad
@@ -375,24 +379,41 @@ class StepGraphs:
                                  f"loss {eager} on the same buffers (|diff| {diff:.3g} > "
                                  f"{tolerance:.3g}): the graph baked a value or a stale address")
 
-    def _check_grads(self, cs: CapturedStep, step: int) -> None:
-        """Every gradient the backward replay wrote vs an eager backward on the same buffers."""
+    def _pulled(self) -> list[tuple[str, Tensor]]:
+        """The persistent buffers the backward adds gradients into, by name: value_embeds'
+        grad_accum and the token embedding's pulled gradient (when given)."""
+        pulled = [("value_embeds.grad_accum", self.value_embeds.grad_accum)]
+        if self.embed_grad is not None:
+            pulled.append(("embed_grad_accum", self.embed_grad))
+        return pulled
+
+    def _check_grads(self, cs: CapturedStep, step: int, before: list[Tensor]) -> None:
+        """Every gradient the backward replay wrote vs an eager backward on the same buffers, the
+        pulled buffers' additions too (`before`: their values before the replay; after the check
+        they hold the replay's addition only, as without a check)."""
         leaves = self._leaves(cs)
+        pulled = self._pulled()
+        after_replay = [b.clone() for _, b in pulled]
         eager = dict(zip(leaves, loss_grads(self._loss(cs), leaves)))
         replayed = [*cs.grads, (cs.ngram_sink, cs.ngram_grad)]
         if any(eager[p] is None for p, _ in replayed):
             raise StepGraphError(f"step {step}: step graph {cs.key}: the eager backward has no "
                                  f"gradient for a parameter the captured backward wrote")
-        norms = torch.stack([eager[p].float().norm() for p, _ in replayed])
+        # (name, replayed, eager) for every gradient, the pulled ones as additions to their buffer
+        pairs = [("ngram_sink" if p is cs.ngram_sink else self.param_names.get(p, "?"), g, eager[p])
+                 for p, g in replayed]
+        for (name, buffer), b0, b1 in zip(pulled, before, after_replay):
+            pairs.append((name, b1 - b0, buffer - b1))
+            buffer.copy_(b1)
+        norms = torch.stack([e.float().norm() for _, _, e in pairs])
         floor = max(1e-6 * float(norms.norm()), 1e-12)
-        errors = torch.stack([(g.float() - eager[p].float()).norm() for p, g in replayed]) / norms.clamp_min(floor)
+        errors = torch.stack([(g.float() - e.float()).norm() for _, g, e in pairs]) / norms.clamp_min(floor)
         errors = errors.tolist()  # one host sync for all parameters
         worst = max(range(len(errors)), key=errors.__getitem__)
         stats = self.stats[cs.key]
         stats.max_grad_rel_err = max(stats.max_grad_rel_err or 0.0, errors[worst])
         if not errors[worst] <= self.config.self_check_grad_rel:  # NaN fails too
-            p = replayed[worst][0]
-            name = "ngram_sink" if p is cs.ngram_sink else self.param_names.get(p, "?")
+            name = pairs[worst][0]
             raise StepGraphError(f"step {step}: step graph {cs.key} replayed gradient of {name} "
                                  f"differs from eager on the same buffers (relative error "
                                  f"{errors[worst]:.3g} > {self.config.self_check_grad_rel:.3g}): an "
