@@ -11,7 +11,9 @@ alone: its key compiles once, the warmup captures and self-checks it, then --ste
   formula over the micro-step time, 790 TFLOP/s);
 - host_issue_ms: the host's time to issue a step (below step_ms: the GPU is the bottleneck),
   host_syncs_per_step (torch.cuda.set_sync_debug_mode counts, trainer/timing.SyncCounter);
-- with --profile (default on CUDA): a torch.profiler window of 2 steps after the timed ones:
+- with --profile (default on CUDA): a torch.profiler window of --profile-steps steps (default 2;
+  more makes the window's start, when the queue may be empty, weigh less in gpu_busy) after the
+  timed ones:
   kernel_ms_per_step, device_busy_ms_per_step, gpu_busy (the busy share of the device's timeline
   inside the window, perf/profiling.kernel_stats's busy_fraction), kernels_per_step and
   top_kernels (the 30 kernel names by time per step: where the GPU time goes); --trace-dir DIR
@@ -60,6 +62,7 @@ from track_1_short.trainer.summary import step_times
 from track_1_short.trainer.timing import MICRO_PHASES
 
 PROFILE_STEPS = 2
+MAX_PROFILE_STEPS = config_mod.MAX_PROFILE_STEPS  # the trainer's --profile-steps limit
 UNTIE_STEP = 3  # stages C, D: tied Adam on steps 1 and 3 (the warmup visits that cadence twice)
 
 
@@ -75,7 +78,7 @@ def stage_config(args, graphs: str, runs_dir: Path):
     cfg = base_config(args)
     index = [s.name for s in SPEEDRUN_STAGES].index(args.stage)
     base = cfg.schedule.stages[min(index, len(cfg.schedule.stages) - 1)]
-    profile = PROFILE_STEPS if args.profile else 0
+    profile = args.profile_steps if args.profile else 0
     stage = dataclasses.replace(base, num_steps=args.steps + profile, extension=False)
     # stages C and D run untied, as in the run from step 847 on: untie after step UNTIE_STEP, so
     # the warmup captures both Adam cadences; the steady window starts after it
@@ -162,7 +165,8 @@ def run_variant(args, graphs: str, runs_dir: Path) -> dict:
         p = run.log.profile
         row.update(kernel_ms_per_step=p["kernel_ms"], device_busy_ms_per_step=p["device_busy_ms"],
                    gpu_busy=p["busy_fraction"],
-                   kernels_per_step=p["kernels_per_step"], top_kernels=p.get("top_kernels"))
+                   kernels_per_step=p["kernels_per_step"], top_kernels=p.get("top_kernels"),
+                   profile_steps=args.profile_steps)
     micro = row["phases_ms"]["micro_step_ms"]
     if micro:
         spec = common.key_specs(args.smoke)[args.stage]
@@ -180,6 +184,9 @@ def parse(argv):
     p.add_argument("--micro-steps", type=int, default=None, help="per step (default 8 on 1 GPU)")
     p.add_argument("--data-dir", default="data/embedded")
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--profile-steps", type=int, default=PROFILE_STEPS, metavar="N",
+                   help=f"steps in the profiled window after the timed ones (1-{MAX_PROFILE_STEPS}; "
+                        f"default {PROFILE_STEPS})")
     p.add_argument("--trace-dir", default=None, metavar="DIR",
                    help="keep each variant's profiler trace as DIR/trace_<stage>_<graphs>.json.gz")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -191,6 +198,9 @@ def parse(argv):
     p.add_argument("--smoke", action="store_true", help="CPU: cpu-tiny model, eager, tiny run")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if not 1 <= args.profile_steps <= MAX_PROFILE_STEPS:
+        p.error(f"--profile-steps {args.profile_steps}: needs 1 to {MAX_PROFILE_STEPS} steps (a "
+                f"trace of more is too large to read)")
     try:  # a bad --set is a usage error (exit 2), before any variant runs
         base_config(args)
     except ValueError as e:

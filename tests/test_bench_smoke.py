@@ -160,6 +160,20 @@ def test_step_bench_smoke(tmp_path):
     assert [p.name for p in trace.parent.iterdir()] == [trace.name]  # no temp file left
 
 
+def test_step_bench_profile_window(tmp_path, capsys):
+    """--profile-steps N: the trainer profiles N steps after the timed ones (the stage is that much
+    longer); 0 or more than the trainer's limit is a usage error naming the flag."""
+    from bench import step as bench_step
+    args = bench_step.parse(["--stage", "A", "--steps", "4", "--profile", "--profile-steps", "6",
+                             "--out", str(tmp_path / "o.json")])
+    cfg, _ = bench_step.stage_config(args, "on", tmp_path)
+    assert cfg.train.profile_steps == (4, 10) and cfg.schedule.stages[0].num_steps == 10
+    for bad in ("0", str(bench_step.MAX_PROFILE_STEPS + 1)):
+        with pytest.raises(SystemExit) as e:
+            bench_step.parse(["--profile-steps", bad, "--out", str(tmp_path / "o.json")])
+        assert e.value.code == 2 and f"--profile-steps {bad}: needs 1 to" in capsys.readouterr().err
+
+
 def test_flops_formula():
     c = GPTConfig()
     params = model_bench.matmul_params(c)

@@ -6,8 +6,10 @@
 #   carry list of vs_record.sh works too)
 # 1. bench/step.py --stage A, then --stage C: --micro-steps 1 (the per-rank work of 8 GPUs: the least
 #    GPU work per host call), --graphs on,off (each variant a fresh trainer of that stage alone),
-#    20 timed steps + 2 profiled (their traces kept in the logs: trace_<stage>_<graphs>.json.gz, where
-#    the gaps between kernels show); one after the other (timing);
+#    20 timed steps + PROFILE_STEPS profiled (default 8: the window's start, when the queue may be
+#    empty, then weighs ~4x less in gpu_busy than with bench/step.py's default 2; their traces kept
+#    in the logs: trace_<stage>_<graphs>.json.gz, where the gaps between kernels show); one after
+#    the other (timing);
 # 2. bench/host_bound.py -> $OUT/host_bound_${MACHINE}_<date>.json; the raw JSON beside it
 #    (host_bound_step_A.json, host_bound_step_C.json), the logs in results.tgz.
 # Estimated wall, one H200: ~270 s with cold caches (per stage: graphs on compiles and captures the
@@ -30,7 +32,7 @@ for stage in $STAGES; do  # the first of two gets half of what is left, the last
   limit=$(( $(left) - 15 ))
   [[ $stage == "${STAGES%% *}" && $STAGES == *" "* ]] && limit=$(( limit / 2 ))
   timeout -k 10 "$limit" python3 bench/step.py --stage "$stage" --steps 20 --graphs on,off --micro-steps 1 \
-      --data-dir "$DATA" --trace-dir "$L" --out "$OUT/host_bound_step_$stage.json" "${ours_set[@]}" \
+      --profile-steps "${PROFILE_STEPS:-8}" --data-dir "$DATA" --trace-dir "$L" --out "$OUT/host_bound_step_$stage.json" "${ours_set[@]}" \
       > "$L/host_bound_step_$stage.log" 2>&1
   echo "exit $? after $(elapsed) s (limit $limit s)" >> "$L/host_bound_step_$stage.log"
 done
