@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 
 from track_1_short.config import INDUCTOR_OPTIONS, RunConfig, TrainConfig
 from track_1_short.data import SliceShape, load_val_tokens, make_train_loader
@@ -108,9 +109,16 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
                            tied_embed_head=(model.embed.weight, model.lm_head),
                            names={p: n for n, p in model.named_parameters()})
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
-    if cfg.train.embed_grad == "pull":
-        opt.set_grad_buffer(model.embed.weight, model.embed_grad_accum)
+    embed_grad = embed_grad_buffer(cfg.train, model)
+    if embed_grad is not None:
+        opt.set_grad_buffer(model.embed.weight, embed_grad)
     return opt
+
+
+def embed_grad_buffer(train: TrainConfig, model: GPT) -> Tensor | None:
+    """The token embedding's pulled-gradient buffer (TrainConfig.embed_grad "pull"), or None for
+    its dense .grad: the one buffer the optimizer reads and the step runner's forward adds into."""
+    return model.embed_grad_accum if train.embed_grad == "pull" else None
 
 
 def _install_fp8(model: GPT, device: torch.device, grad_scale: float) -> None:
@@ -276,7 +284,7 @@ def prepare_model(model: GPT, spec: RunSpec, graph_backend=None) -> StepParts:
                               max_step_tokens=max(k.tokens for k in keys), plans=spec.plans,
                               micro_steps=spec.micro_steps, device=device, backend=graph_backend,
                               ngram_store=ngram if in_step else None,
-                              embed_grad=model.embed_grad_accum if cfg.train.embed_grad == "pull" else None)
+                              embed_grad=embed_grad_buffer(cfg.train, model))
     prefix = build_prefix_table(mergeable_ranks(), cfg.model.vocab_size).to(device)
     return StepParts(model=model, forward_fn=forward_fn, eval_fn=eval_fn, optimizer=optimizer,
                      runner=runner, ngram=ngram, prefetch=RowPrefetch(ngram, rows_in_step=in_step),

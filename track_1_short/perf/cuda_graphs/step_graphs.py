@@ -442,9 +442,7 @@ class StepGraphs:
     def baked_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """(role, tensor) for every tensor the step graphs bake or hand to the optimizer that the
         model's parameters and buffers do not cover, read live from their owners (a rebind shows)."""
-        yield "value_embeds.grad_accum", self.value_embeds.grad_accum
-        if self.embed_grad is not None:
-            yield "embed_grad_accum", self.embed_grad
+        yield from self._pulled()
         for tokens, sink in self.ngram_table.sinks.items():
             yield f"ngram_table.sinks[{tokens}]", sink
         for p, acc in self.handoff.accumulators.items():
