@@ -10,12 +10,17 @@ import shutil
 from pathlib import Path
 
 
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temp file and rename it: readers never see a half-written file."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write text to a temp file and rename it: readers never see a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON through write_text_atomic."""
+    write_text_atomic(path, json.dumps(obj, indent=1, default=str) + "\n")
 
 
 def copy_file_atomic(src: Path, dst: Path) -> None:
