@@ -4,8 +4,8 @@ Why: the graphs-on step at stage A, one micro-step, was ~96% busy (lease 18's tr
 docs/results/vs_record_h200_2026-12-03_lease18/call5/trace_A_on.json.gz): 120 four-byte memsets
 per step, each captured right before a cuBLAS nvjet GEMM (the non-split-K coopA / coopB kernels),
 and ~4-6 us of idle device around each, against ~1 us between two kernels elsewhere in the graph.
-cuBLAS reads its settings when a handle's workspace is made, so each variant below is a fresh
-child process with its own environment.
+cuBLAS reads its settings once per process, so each variant (a train.blas setting,
+perf/blas_config.py; why: perf/blas.py) runs in a fresh child process.
 
 Per variant and token count T: the step's cuBLAS GEMMs at stage shapes (D = 768, F = 3072): the
 attention projections' forward (q/k [2D, D], v and o [D, D]) and both backward GEMMs (dX = g @ W,
@@ -15,18 +15,14 @@ captured into one CUDA graph. Then 30 replays timed with CUDA events, 3 profiled
 replay, kernel ms, busy fraction: profiling.kernel_stats), and one eager call of each GEMM profiled
 alone (its kernel names and memsets: which GEMMs carry one).
 
-Variants (VARIANTS): default; cublas_ws0 (CUBLAS_WORKSPACE_CONFIG=:0:0, no cuBLAS workspace);
-lt_ws0 (CUBLASLT_WORKSPACE_SIZE=0); ws0 (both); lt (torch.backends.cuda.preferred_blas_library
-"cublaslt"); lt_both0 (lt with both workspaces 0).
-
 Usage, one H200 (~1-2 min):
     PYTHONPATH=. python bench/gemm_memsets.py --out $OUT/gemm_memsets.json \
-        [--tokens 16384,49152] [--variants default,ws0] [--choice-env build/gemm_choice.env]
-Output JSON: {command, machine, tokens, variants: {name: {env, blas, by_tokens: {T: {replay_ms
+        [--tokens 16384,49152] [--variants default,no_workspace] [--choice-env build/gemm_choice.txt]
+Output JSON: {command, machine, tokens, variants: {name: {setting, blas, by_tokens: {T: {replay_ms
 (summarize), memsets_per_replay, kernel_ms, busy_fraction, ops: {op: {kernels, memsets}}}} |
 error}}, choice, complete}. `choice`: the variant with no memset at any T whose replay median
-is at most the default's at every T (the fastest such), else null; --choice-env writes its
-environment as `export K=V` lines (an empty file for none), for a later script to source.
+is at most the default's at every T (the fastest such), else null; --choice-env writes it as the
+--set item `train.blas=NAME` (an empty file for none), for a later script to pass on.
 """
 
 from __future__ import annotations
@@ -43,19 +39,11 @@ import torch.nn.functional as F
 
 from bench import common
 from track_1_short.atomic_io import write_json_atomic, write_text_atomic
+from track_1_short.perf import blas, blas_config
 
 D, FF = 768, 3072
 TALL, SQUARE = 22, 44  # Polar Express batches: the MLP bank's [F, D] matrices, the attention banks'
-BLAS_ENV = "T1S_BENCH_BLAS"  # the child's preferred_blas_library (not a cuBLAS variable)
-WS0 = {"CUBLAS_WORKSPACE_CONFIG": ":0:0", "CUBLASLT_WORKSPACE_SIZE": "0"}
-VARIANTS = {
-    "default": {},
-    "cublas_ws0": {"CUBLAS_WORKSPACE_CONFIG": ":0:0"},
-    "lt_ws0": {"CUBLASLT_WORKSPACE_SIZE": "0"},
-    "ws0": WS0,
-    "lt": {BLAS_ENV: "cublaslt"},
-    "lt_both0": {BLAS_ENV: "cublaslt", **WS0},
-}
+VARIANTS = tuple(blas.BLAS_SETTINGS)  # train.blas's settings, one child process each
 REPLAYS, PROFILED = 30, 3
 
 
@@ -127,16 +115,15 @@ def measure(t: int, device: torch.device) -> dict:
 
 
 def child(args) -> int:
-    """--child: measure every --tokens in this process, JSON on stdout's last line."""
-    device = torch.device("cuda")
-    torch.cuda.set_device(device)
-    blas = os.environ.get(BLAS_ENV)
-    if blas:
-        torch.backends.cuda.preferred_blas_library(blas)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
-        torch.ones(1, device=device).add_(1)  # CUPTI up before the capture (bench/common.setup_torch)
-    out = {"blas": str(torch.backends.cuda.preferred_blas_library()),
-           "by_tokens": {str(t): measure(t, device) for t in args.tokens}}
+    """--child NAME: measure every --tokens under train.blas=NAME in this process (fresh: the
+    setting goes in before the first CUDA call), JSON on stdout's last line."""
+    with blas.applied(args.child, flag="--child"):
+        device = torch.device("cuda")
+        torch.cuda.set_device(device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.ones(1, device=device).add_(1)  # CUPTI up before the capture (bench/common.setup_torch)
+        out = {"blas": str(torch.backends.cuda.preferred_blas_library()),
+               "by_tokens": {str(t): measure(t, device) for t in args.tokens}}
     print(json.dumps(out))
     return 0
 
@@ -164,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="16384,49152", help="token counts T (stage A: 16384, C: 49152)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--choice-env", type=Path, help="write the chosen variant's environment here")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -176,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    if args.child:
+    if args.child is not None:
         return child(args)
     if not torch.cuda.is_available():
         print("gemm_memsets: needs a CUDA device (cuBLAS); none here", file=sys.stderr)
@@ -184,12 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": common.command(), "machine": common.machine_info(torch.device("cuda")),
               "tokens": args.tokens, "variants": {}, "choice": None, "complete": False}
     for name in names:
-        env = {k: v for k, v in os.environ.items() if k not in (*WS0, BLAS_ENV)}
-        env.update(VARIANTS[name])
-        proc = subprocess.run([sys.executable, __file__, "--child", "--out", str(args.out),
+        # "default" is torch's own: no workspace variable inherited from this environment
+        env = {k: v for k, v in os.environ.items() if k not in blas_config.WORKSPACE_ENV}
+        proc = subprocess.run([sys.executable, __file__, "--child", name, "--out", str(args.out),
                                "--tokens", ",".join(map(str, args.tokens))],
                               env=env, capture_output=True, text=True, timeout=300)
-        row = {"env": VARIANTS[name]}
+        row = {"setting": blas.describe(name)}
         if proc.returncode == 0:
             row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             for t, v in row["by_tokens"].items():
@@ -204,10 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     result["complete"] = True
     write_json_atomic(args.out, result)
     print(f"choice: {result['choice']}")
-    if args.choice_env is not None:
-        env = VARIANTS[result["choice"]] if result["choice"] else {}
-        args.choice_env.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(args.choice_env, "".join(f"export {k}={v}\n" for k, v in env.items()))
+    if args.choice_env is not None:  # the --set item a later script passes on
+        write_text_atomic(args.choice_env, f"train.blas={result['choice']}\n" if result["choice"] else "")
     return 0
 
 

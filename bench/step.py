@@ -48,6 +48,7 @@ import torch
 from bench import common
 from bench import model as model_bench
 from track_1_short import config as config_mod
+from track_1_short.perf import blas
 from track_1_short.atomic_io import copy_file_atomic
 from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.distributed import destroy_distributed, init_distributed
@@ -212,6 +213,18 @@ def parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    setting = base_config(args).train.blas  # --set train.blas=NAME: both variants, before CUDA
+    try:
+        with blas.applied(setting):
+            if setting != "default":
+                print(blas.describe(setting), flush=True)
+            return _main(args)
+    except blas.BlasSettingError as e:
+        print(f"step.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     results = common.Results(Path(args.out), device, stage=args.stage, steps=args.steps,
                              micro_steps=args.micro_steps, model_profile=args.model_profile,

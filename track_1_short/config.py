@@ -32,6 +32,7 @@ from pathlib import Path
 from track_1_short.model.fp8_config import quack_fp8_sites
 from track_1_short.model.gpt_config import BACKENDS, GPTConfig
 from track_1_short.optim.anvil_config import AnvilConfig
+from track_1_short.perf.blas_config import BLAS_SETTINGS
 from track_1_short.perf.cuda_graphs.graphs_config import GRAPH_MODES, StepGraphsConfig
 from track_1_short.schedule import SPEEDRUN_STAGES, Schedule, ScheduleConfig, StageConfig
 
@@ -184,6 +185,11 @@ class TrainConfig:
     # embeddings) or "dense" (autograd's embedding backward, a [V, D] gradient per micro-step
     # summed by the step runner's accumulator)
     embed_grad: str = "pull"
+    # the process's cuBLAS setting (perf/blas.py, applied before the first CUDA call):
+    # "default" (torch's own), or one without cuBLAS's workspace and/or through cuBLASLt, whose
+    # GEMMs may then be captured without the memset before each (bench/gemm_memsets.py measures
+    # which does and at what GEMM cost)
+    blas: str = "default"
     resume: Path | None = None  # a checkpoint folder, or a run dir (its newest complete checkpoint)
     runs_dir: Path = Path("runs")
     run_id: str | None = None  # default: <preset>-<timestamp>; an existing run dir is refused
@@ -225,6 +231,11 @@ class TrainConfig:
             raise ValueError(f"--mlp-kernel={self.mlp_kernel!r}: one of {MLP_KERNELS}")
         if self.qk_norm_rope not in QK_NORM_ROPES:
             raise ValueError(f"train.qk_norm_rope={self.qk_norm_rope!r}: one of {QK_NORM_ROPES}")
+        if self.blas not in BLAS_SETTINGS:
+            raise ValueError(f"train.blas={self.blas!r}: one of {tuple(BLAS_SETTINGS)}")
+        if self.blas != "default" and self.deterministic:
+            raise ValueError(f"train.blas={self.blas} with --deterministic: deterministic mode needs "
+                             f"cuBLAS's workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8); drop one of them")
         if self.embed_grad not in EMBED_GRADS:
             raise ValueError(f"train.embed_grad={self.embed_grad!r}: one of {EMBED_GRADS}")
         if self.fused_loss_schedule not in FUSED_LOSS_SCHEDULES:

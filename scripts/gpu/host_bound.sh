@@ -21,15 +21,7 @@
 # OURS_SET="train.ngram_rows_in_step=false": the n-gram rows around the step, as before 2026-12-02).
 # With fa4 or quack in OURS_SET the packages come as in vs_record.sh (.carry/fa4a on the machine
 # from an earlier call, this call carries .carry/fa4b; DATA=data/embedded keeps it under 64 MiB).
-# GEMM_ENV=FILE: `export K=V` lines sourced before the runs (e.g. the cuBLAS settings that
-# bench/gemm_memsets.py --choice-env chose); its lines go into the result's script string.
 source scripts/gpu/common.sh  # run from the repo root
-gemm_env=""
-if [[ -n ${GEMM_ENV:-} ]]; then
-  [[ -f $GEMM_ENV ]] || { echo "host_bound.sh: GEMM_ENV=$GEMM_ENV: no such file" >&2; exit 2; }
-  source "$GEMM_ENV"
-  gemm_env=$(tr '\n' ' ' < "$GEMM_ENV")
-fi
 DATA=${DATA:-data/embedded-large} MACHINE=${MACHINE:-h200}
 DATE=$(date -u +%F)
 STAGES=${STAGES:-A C}  # e.g. STAGES=C (bench/host_bound.py --stages follows)
@@ -47,6 +39,6 @@ done
 steps=()
 for stage in $STAGES; do steps+=(--step "$OUT/host_bound_step_$stage.json"); done
 python3 bench/host_bound.py "${steps[@]}" --stages "${STAGES// /,}" --machine "$MACHINE" --date "$DATE" \
-    --out-dir "$OUT" --script "${gemm_env}STAGES='$STAGES' OURS_SET='${OURS_SET:-}' bash scripts/gpu/host_bound.sh" 2>&1 | tee "$L/host_bound.log"
+    --out-dir "$OUT" --script "STAGES='$STAGES' OURS_SET='${OURS_SET:-}' bash scripts/gpu/host_bound.sh" 2>&1 | tee "$L/host_bound.log"
 echo "host_bound.sh: done after $(elapsed) s" | tee -a "$L/host_bound.log"
 pack_outputs

@@ -1,7 +1,8 @@
 """A run from the config to its exit code: checks, claim, build, warmup + capture, reset, census,
 seal, timed run, finish; and what each way out returns.
 
-Order (`train`): device check (before the process group binds a device) -> process group ->
+Order (`train`): the cuBLAS setting (train.blas, perf/blas.py: before any CUDA call) ->
+device check (before the process group binds a device) -> process group ->
 preflight (every check that can refuse the run, before anything is written) -> claim the run dir
 (rank 0, lock) -> build (spec, model with every systems concern, data) -> warmup + capture ->
 in-place reset, census compared, runner sealed -> resume (if asked) -> timed run -> finish
@@ -20,7 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from track_1_short.config import RunConfig
 from track_1_short.data import DataError, num_val_slices
 from track_1_short.distributed import (DistributedContext, destroy_distributed, init_distributed,
                                        is_comm_failure, lost_ranks)
-from track_1_short.perf import compile_cache
+from track_1_short.perf import blas, compile_cache
 from track_1_short.perf.compile_cache import CompileCacheError
 from track_1_short.perf.cuda_graphs import baked_addresses
 from track_1_short.trainer import checkpoint
@@ -80,7 +81,15 @@ def deterministic_mode(enabled: bool):
 def train(cfg: RunConfig, graph_backend=None) -> int:
     """The whole run; returns the process exit code (module docstring). graph_backend: None for
     CUDA graphs; the CPU stand-in (capture_support.RecordingGraphBackend) for tests."""
-    with deterministic_mode(cfg.train.deterministic):
+    with ExitStack() as stack:
+        try:  # before any CUDA call: cuBLAS reads its workspace setting once per process
+            stack.enter_context(blas.applied(cfg.train.blas))
+        except blas.BlasSettingError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if cfg.train.blas != "default" and os.environ.get("RANK", "0") == "0":
+            print(blas.describe(cfg.train.blas), flush=True)
+        stack.enter_context(deterministic_mode(cfg.train.deterministic))
         return _train(cfg, graph_backend)
 
 
