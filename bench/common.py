@@ -244,16 +244,21 @@ def summarize(xs: list[float]) -> dict:
             "mean_ms": statistics.fmean(s), "min_ms": s[0], "max_ms": s[-1], "n": len(s)}
 
 
-def device_time_ms(step_fn, num_steps: int, device: torch.device, top: int = 0) -> dict:
-    """Profile num_steps calls (CUDA activity only) and summarise them with
-    profiling.kernel_stats: kernel ms, device-busy ms (interval union) and launches per step;
-    top > 0 adds the `top` kernels by total time."""
+def device_events(step_fn, num_steps: int, device: torch.device) -> list[dict]:
+    """The chrome-trace events of num_steps calls step_fn(i), profiled (CUDA activity only)."""
     sync(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i in range(num_steps):
             step_fn(i)
         sync(device)
-    return profiling.kernel_stats(profiling.trace_events(prof), num_steps, top)
+    return profiling.trace_events(prof)
+
+
+def device_time_ms(step_fn, num_steps: int, device: torch.device, top: int = 0) -> dict:
+    """Profile num_steps calls (device_events) and summarise them with profiling.kernel_stats:
+    kernel ms, device-busy ms (interval union) and launches per step; top > 0 adds the `top`
+    kernels by total time."""
+    return profiling.kernel_stats(device_events(step_fn, num_steps, device), num_steps, top)
 
 
 def compile_counters() -> dict[str, int]:

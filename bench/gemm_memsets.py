@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from bench import common
 from track_1_short.atomic_io import write_json_atomic, write_text_atomic
-from track_1_short.perf import blas, blas_config
+from track_1_short.perf import blas, profiling
 
 D, FF = 768, 3072
 TALL, SQUARE = 22, 44  # Polar Express batches: the MLP bank's [F, D] matrices, the attention banks'
@@ -69,29 +69,18 @@ def gemm_ops(t: int, device: torch.device) -> dict:
     return ops
 
 
-def _profiled(fn, calls: int) -> list[dict]:
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    from track_1_short.perf import profiling
-    return profiling.trace_events(prof)
-
-
 def _memsets(events: list[dict]) -> int:
     return sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memset")
 
 
 def measure(t: int, device: torch.device) -> dict:
     """One token count in this process: per-op kernels and memsets, then the captured graph."""
-    from track_1_short.perf import profiling
     ops = gemm_ops(t, device)
     for fn in ops.values():  # cuBLAS picks and caches its kernels before the capture
         fn(), fn()
     per_op = {}
     for name, fn in ops.items():
-        events = _profiled(fn, 1)
+        events = common.device_events(lambda _, fn=fn: fn(), 1, device)
         per_op[name] = {"kernels": sorted({e["name"][:120] for e in events
                                            if e.get("ph") == "X" and e.get("cat") == "kernel"}),
                         "memsets": _memsets(events)}
@@ -107,7 +96,7 @@ def measure(t: int, device: torch.device) -> dict:
     for _ in range(5):
         graph.replay()
     times = common.time_steps(lambda _: graph.replay(), REPLAYS, device)
-    events = _profiled(graph.replay, PROFILED)
+    events = common.device_events(lambda _: graph.replay(), PROFILED, device)
     stats = profiling.kernel_stats(events, PROFILED)
     return {"replay_ms": times, "memsets_per_replay": _memsets(events) / PROFILED,
             "kernel_ms": stats["kernel_ms"], "busy_fraction": stats["busy_fraction"],
@@ -150,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokens", default="16384,49152", help="token counts T (stage A: 16384, C: 49152)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    p.add_argument("--choice-env", type=Path, help="write the chosen variant's environment here")
+    p.add_argument("--choice-env", type=Path, help="write the chosen variant's --set item here")
     p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
@@ -172,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
               "tokens": args.tokens, "variants": {}, "choice": None, "complete": False}
     for name in names:
         # "default" is torch's own: no workspace variable inherited from this environment
-        env = {k: v for k, v in os.environ.items() if k not in blas_config.WORKSPACE_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in blas.WORKSPACE_ENV}
         proc = subprocess.run([sys.executable, __file__, "--child", name, "--out", str(args.out),
                                "--tokens", ",".join(map(str, args.tokens))],
                               env=env, capture_output=True, text=True, timeout=300)

@@ -48,10 +48,10 @@ import torch
 from bench import common
 from bench import model as model_bench
 from track_1_short import config as config_mod
-from track_1_short.perf import blas
 from track_1_short.atomic_io import copy_file_atomic
 from track_1_short.constants import H200_DENSE_BF16_TFLOPS
 from track_1_short.distributed import destroy_distributed, init_distributed
+from track_1_short.perf import blas
 from track_1_short.schedule import SPEEDRUN_STAGES
 from track_1_short.trainer.build import describe_strategies
 from track_1_short.trainer.lifecycle import prepare_run

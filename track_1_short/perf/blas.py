@@ -31,7 +31,7 @@ import torch
 
 from track_1_short.perf.blas_config import BLAS_SETTINGS, WORKSPACE_ENV, describe
 
-__all__ = ["BLAS_SETTINGS", "BlasSettingError", "applied", "describe"]  # one import for callers
+__all__ = ["BLAS_SETTINGS", "WORKSPACE_ENV", "BlasSettingError", "applied", "describe"]  # one import for callers
 
 
 class BlasSettingError(ValueError):
@@ -41,8 +41,9 @@ class BlasSettingError(ValueError):
 _process_setting: str | None = None  # the non-default setting a CUDA-using block applied
 
 
-def _refusal(name: str, setting, flag: str) -> str | None:
-    """Why `setting` cannot take effect in this process now (module docstring), or None."""
+def _refusal(name: str, flag: str) -> str | None:
+    """Why setting `name` cannot take effect in this process now (module docstring), or None."""
+    setting = BLAS_SETTINGS[name]
     if name == "default":
         return (None if _process_setting is None else
                 f"{flag}=default after {_process_setting!r} in this process: cuBLAS keeps the first "
@@ -70,10 +71,10 @@ def applied(name: str, flag: str = "train.blas"):
     global _process_setting
     if name not in BLAS_SETTINGS:
         raise BlasSettingError(f"{flag}={name!r}: one of {tuple(BLAS_SETTINGS)}")
-    setting = BLAS_SETTINGS[name]
-    refusal = _refusal(name, setting, flag)
+    refusal = _refusal(name, flag)
     if refusal is not None:
         raise BlasSettingError(refusal)
+    setting = BLAS_SETTINGS[name]
     before = {k: os.environ.get(k) for k in setting.env}
     library = torch.backends.cuda.preferred_blas_library() if setting.library else None
     os.environ.update(setting.env)
