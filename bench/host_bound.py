@@ -11,8 +11,13 @@ file, a file of another kind, a stage or variant missing, a run with more than o
 
 Output, per stage S in --stages and graphs variant on/off:
   stages.S.graphs_{on,off}:
-    step_ms {median, p10, p90}   variants[g].step_ms.{median_ms,p10_ms,p90_ms}: the device's
-                                 time per step (CUDA events at step start and end)
+    step_ms {median, p10, p90, mean}
+                                 variants[g].step_ms.{median_ms,p10_ms,p90_ms,mean_ms}: the
+                                 device's time per step (CUDA events at step start and end)
+    step_ms_by_parity {even, odd}
+                                 variants[g].step_{even,odd}_ms.median_ms: even steps run ANVIL
+                                 alone, odd ones ANVIL + Adam (a median over both parities picks
+                                 one of them when the two differ; the mean weighs both)
     host_issue_ms                variants[g].host_issue_ms.median_ms: the host's time to issue a
                                  step; at or above step_ms the host is the bottleneck
     gpu_busy                     variants[g].gpu_busy: the busy share of the device's timeline in
@@ -20,7 +25,7 @@ Output, per stage S in --stages and graphs variant on/off:
                                  the bench ran without --profile
     host_syncs_per_step          variants[g].host_syncs_per_step (sync debug mode counts; null
                                  on CPU)
-  stages.S.on_over_off: step_ms_median and host_issue_ms, graphs on / graphs off
+  stages.S.on_over_off: step_ms_median, step_ms_mean and host_issue_ms, graphs on / graphs off
   command {script, builder, ours: {S: command}}, machine {name, ours: the first stage's file's
   machine, by_stage: {S: that stage's file's machine}} (stages may come from different calls:
   compare graphs on with off within a stage, never stages with each other)
@@ -48,7 +53,12 @@ def variant(bench: StepBench, graphs: str) -> dict:
         raise InputError(f"{bench.path}: graphs={graphs} ran {row.get('micro_steps')} micro-steps "
                          "per step; the host-bound question is asked of one rank's step of 8 GPUs: "
                          "run bench/step.py with --micro-steps 1")
-    return {"step_ms": spread(row.get("step_ms"), "_ms"),
+    step_ms = spread(row.get("step_ms"), "_ms")
+    if step_ms is not None:
+        step_ms["mean"] = dig(row, "step_ms", "mean_ms")
+    return {"step_ms": step_ms,
+            "step_ms_by_parity": {parity: dig(row, f"step_{parity}_ms", "median_ms")
+                                  for parity in ("even", "odd")},
             "host_issue_ms": dig(row, "host_issue_ms", "median_ms"),
             "gpu_busy": row.get("gpu_busy"),
             "host_syncs_per_step": row.get("host_syncs_per_step")}
@@ -71,6 +81,7 @@ def build(paths: list[Path], stages: list[str], machine: str, script: str | None
             "graphs_on": on, "graphs_off": off,
             "on_over_off": {"step_ms_median": ratio(dig(on, "step_ms", "median"),
                                                     dig(off, "step_ms", "median")),
+                            "step_ms_mean": ratio(dig(on, "step_ms", "mean"), dig(off, "step_ms", "mean")),
                             "host_issue_ms": ratio(on["host_issue_ms"], off["host_issue_ms"])}}
     return result
 
@@ -90,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     result = build(args.step, args.stages, args.machine, args.script)
     write_result(args.out_dir, f"host_bound_{args.machine}_{args.date or today()}.json", result)
     for stage, s in result["stages"].items():
-        print(f"stage {stage}: graphs on / off step {s['on_over_off']['step_ms_median']}, host "
-              f"issue {s['on_over_off']['host_issue_ms']}")
+        r = s["on_over_off"]
+        print(f"stage {stage}: graphs on / off step {r['step_ms_median']} (median), "
+              f"{r['step_ms_mean']} (mean), host issue {r['host_issue_ms']}")
     return 0
 
 

@@ -232,9 +232,13 @@ def _host_bound(tmp_path: Path, paths: list[Path], *extra: str) -> int:
 
 def _host_bound_inputs(tmp_path: Path, micro: int = 1) -> list[Path]:
     def variants(stage, tokens, on_step, off_step):
-        return {"on": _row("on", stage, tokens, micro, step=on_step, host=20.0, syncs=0.0),
-                "off": _row("off", stage, tokens, micro, step=off_step, host=40.0, syncs=2.0,
-                            replay=None, kernel=None)}
+        on = _row("on", stage, tokens, micro, step=on_step, host=20.0, syncs=0.0)
+        off = _row("off", stage, tokens, micro, step=off_step, host=40.0, syncs=2.0, replay=None, kernel=None)
+        # the two parities apart (odd steps add Adam): the mean lies between them, off the median
+        for row, (even, odd) in ((on, (on_step[0] - 1.0, on_step[0] + 3.0)), (off, (off_step[0] - 1.0, off_step[0] + 4.0))):
+            row["step_ms"]["mean_ms"] = (even + odd) / 2
+            row["step_even_ms"], row["step_odd_ms"] = _stats(even), _stats(odd)
+        return {"on": on, "off": off}
     return [_step_json(tmp_path / "hb_A.json", "A", variants("A", 16384, (35.0, 34.0, 36.0), (50.0, 48.0, 52.0))),
             _step_json(tmp_path / "hb_C.json", "C", variants("C", 49152, (105.0, 104.0, 106.0), (106.0, 105.0, 108.0)))]
 
@@ -250,12 +254,15 @@ def test_host_bound_maps_each_field_and_the_on_off_ratio(tmp_path):
     assert out["machine"]["ours"] == {"gpu": "NVIDIA H200"}
     assert out["machine"]["by_stage"] == {"A": {"gpu": "NVIDIA H200"}, "C": data["machine"]}
     a = out["stages"]["A"]
-    assert a["graphs_on"] == {"step_ms": {"median": 35.0, "p10": 34.0, "p90": 36.0}, "host_issue_ms": 20.0,
+    assert a["graphs_on"] == {"step_ms": {"median": 35.0, "p10": 34.0, "p90": 36.0, "mean": 36.0},
+                              "step_ms_by_parity": {"even": 34.0, "odd": 38.0}, "host_issue_ms": 20.0,
                               "gpu_busy": pytest.approx(272.4 / 35.0), "host_syncs_per_step": 0.0}
     # graphs off ran without the profiler here: no gpu_busy
-    assert a["graphs_off"] == {"step_ms": {"median": 50.0, "p10": 48.0, "p90": 52.0}, "host_issue_ms": 40.0,
+    assert a["graphs_off"] == {"step_ms": {"median": 50.0, "p10": 48.0, "p90": 52.0, "mean": 51.5},
+                               "step_ms_by_parity": {"even": 49.0, "odd": 54.0}, "host_issue_ms": 40.0,
                                "gpu_busy": None, "host_syncs_per_step": 2.0}
-    assert a["on_over_off"] == {"step_ms_median": pytest.approx(0.7), "host_issue_ms": pytest.approx(0.5)}
+    assert a["on_over_off"] == {"step_ms_median": pytest.approx(0.7), "step_ms_mean": pytest.approx(36.0 / 51.5),
+                                "host_issue_ms": pytest.approx(0.5)}
     assert out["stages"]["C"]["on_over_off"]["step_ms_median"] == pytest.approx(105.0 / 106.0)
 
 
