@@ -5,7 +5,8 @@ the expected values) and mirrors one triangle as quack does: polar_express with 
 equals the torch one (float64 and float32; tall, wide, square), eagerly and compiled; the
 optimizer with it (uncompiled and compiled with aot_eager) gives the torch strategy's update;
 the stand-in and the parity catch a wrong operand; the config, the trainer's build, the
-optimizer and the preflight refuse what cannot run. The kernels: tests/test_polar_gemms_gpu.py.
+optimizer and the preflight refuse what cannot run; the GPU tests' shapes are the model's banks
+and bench/polar_express.py's CPU smoke runs. The kernels: tests/test_polar_gemms_gpu.py.
 
 Hardware: CPU only, ~15 s. Run: `.venv/bin/python -m pytest tests/test_polar_gemms.py -q`.
 """
@@ -187,3 +188,21 @@ def test_preflight_refuses_quack_on_the_cpu_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--set optim.polar_gemms=quack runs a CUDA kernel and this run is on the CPU" in err
     assert "Traceback" not in err and not list(tmp_path.iterdir())
+
+
+def test_gpu_bank_shapes_are_the_models_and_the_bench_smoke_runs(tmp_path):
+    """tests/test_polar_gemms_gpu.py's shapes are the speedrun model's banks (as the bench reads
+    them); the bench's CPU smoke writes its JSON (torch's GEMMs; quack's row says why not)."""
+    import json
+
+    from bench import polar_express as bench
+    from tests.test_polar_gemms_gpu import BANKS
+
+    assert bench.bank_shapes() == BANKS
+    out = tmp_path / "pe.json"
+    assert bench.main(["--smoke", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["complete"] and set(result["banks"]) == set(BANKS)
+    for bank in result["banks"].values():
+        assert bank["strategies"]["torch"]["event_ms"]["n"] == 2
+        assert "unavailable" in bank["strategies"]["quack"] and bank["saving_ms"] is None
