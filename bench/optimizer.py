@@ -25,6 +25,7 @@ trainer/build.py's build_optimizer builds it (plus parameter names).
 
 Run (H200, stage C shapes; compile of the 7 graphs ~1 min):
     PYTHONPATH=. python bench/optimizer.py --untied --out docs/results/optimizer_h200_1gpu.json
+Run (H200, Polar Express on quack's GEMMs, kernels/polar_gemms.py): add --polar-gemms quack.
 Run (2 GPUs):
     PYTHONPATH=. torchrun --standalone --nproc_per_node 2 bench/optimizer.py --untied \
         --out docs/results/optimizer_h200_2gpu.json
@@ -47,8 +48,10 @@ import torch.distributed as dist
 from bench import common
 from track_1_short.distributed import destroy_distributed, init_distributed
 from track_1_short.optim.anvil import AnvilAndAdam, _reduce_scatter, build_param_cfgs
+from track_1_short.optim.anvil_config import POLAR_GEMMS
 from track_1_short.perf import compile_cache
 from track_1_short.schedule import Schedule
+from track_1_short.trainer.build import resolve_polar_gemms
 
 MODES = {"off": False, "on": True}
 
@@ -80,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="timed steps per mode (half even, half odd)")
     ap.add_argument("--warmup", type=int, default=6, help="untimed steps per mode (compile happens here)")
     ap.add_argument("--untied", action="store_true", help="embed and lm_head untied (stage C on)")
+    ap.add_argument("--polar-gemms", choices=POLAR_GEMMS, default="torch",
+                    help="Polar Express's GEMMs (optim.polar_gemms): torch or quack")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.compile.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes) or args.warmup < 2 or args.steps < 2:
@@ -90,7 +95,8 @@ def main(argv=None):
     settings = common.setup_torch(device)
     cfg, model = common.build_bench_model(args.smoke, device, attention=None, fp8=None)
     header = dict(settings=settings, world_size=ctx.world_size, backend=ctx.backend,
-                  untied=args.untied, smoke=args.smoke, warmup=args.warmup, steps=args.steps,
+                  untied=args.untied, polar_gemms=args.polar_gemms, smoke=args.smoke,
+                  warmup=args.warmup, steps=args.steps,
                   shapes={n: list(p.shape) for n, p in model.named_parameters()},
                   dtypes={n: str(p.dtype) for n, p in model.named_parameters()}, modes={}, errors={})
     # rank 0 writes the JSON (every rank measures: the collectives need them all)
@@ -100,7 +106,8 @@ def main(argv=None):
     schedule = Schedule(cfg.schedule)  # the cadence: plan(step).adam_step
     for mode in modes:
         cfg.optim = dataclasses.replace(cfg.optim, compile=MODES[mode],
-                                        compile_backend="aot_eager" if args.smoke else "inductor")
+                                        compile_backend="aot_eager" if args.smoke else "inductor",
+                                        polar_gemms=args.polar_gemms)
         opt = build_optimizer(cfg, model)
         if args.untied:
             opt.untie_embed_head()  # as the trainer does at stage C's first step (zero state here)
@@ -128,11 +135,14 @@ def main(argv=None):
 
 
 def build_optimizer(cfg, model) -> AnvilAndAdam:
-    """As trainer/build.py's build_optimizer builds it (tied embed/lm_head, value_embeds' gradient buffer), with
-    the parameters' names, which the JSON's unit rows are keyed by."""
+    """As trainer/build.py's build_optimizer builds it (tied embed/lm_head, value_embeds' gradient buffer,
+    Polar Express's GEMMs from optim.polar_gemms), with the parameters' names, which the JSON's
+    unit rows are keyed by."""
     opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
                        names={p: n for n, p in model.named_parameters()},
-                       tied_embed_head=(model.embed.weight, model.lm_head))
+                       tied_embed_head=(model.embed.weight, model.lm_head),
+                       polar_gemms=resolve_polar_gemms(cfg.optim.polar_gemms,
+                                                       model.lm_head.device))
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
     return opt
 

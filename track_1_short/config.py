@@ -300,6 +300,9 @@ class RunConfig:
             raise ValueError("train.fused_loss_schedule=recompute is the fp8 lm head's (its backward "
                              "recomputes the gradient as it quantises it): add --fp8 with lm_head "
                              "in model.fp8.sites, or take train.fused_loss_schedule=one_pass")
+        if self.train.optimizer == "adamw" and self.optim.polar_gemms != "torch":
+            raise ValueError("optim.polar_gemms=quack is ANVIL's Polar Express; --optimizer adamw "
+                             "has none: drop it or take --optimizer anvil")
         if self.train.optimizer == "adamw" and self.schedule.adam_every != 1:
             raise ValueError(f"--optimizer adamw updates every step: ScheduleConfig.adam_every must "
                              f"be 1, got {self.schedule.adam_every} (from_args sets it)")

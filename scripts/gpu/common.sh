@@ -70,7 +70,8 @@ use_fa4_packages() {
 }
 
 # `use_fa4_packages_for ITEMS`: use_fa4_packages where the --set items ITEMS name the fa4
-# attention backend or the quack MLP (the only settings that import them).
+# attention backend, the quack MLP or quack's Polar Express GEMMs (optim.polar_gemms=quack): the
+# only settings that import them.
 use_fa4_packages_for() {
   if [[ "${1:-}" =~ (fa4|quack) ]]; then use_fa4_packages; fi
 }

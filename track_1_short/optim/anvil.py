@@ -81,9 +81,14 @@ are whole. Checkpoint after an Adam (odd) step: the .grad an even step keeps for
 step is not optimizer state. To use torch.distributed.checkpoint, wrap each sharded tensor as a DTensor with
 Shard(0) over the padded global shape. Loading requires the same world size and rank.
 
+Polar Express's GEMMs (`polar_gemms`, a PolarGemms strategy whose name must equal
+AnvilConfig.polar_gemms): torch's by default; trainer/build.py passes quack's
+(kernels/polar_gemms.py) for `optim.polar_gemms=quack`, so this package never imports kernels/.
+
 Provenance: facts sections 3 and 4 (modded-nanogpt records through #342, NorMuon PR, Polar
 Express PR #253, cautious weight decay PR #172). Deviations: fp32 master instead of the mantissa
-buffer; no sparse bigram comms (n-gram rows are NgramStore's update); no Triton XXT kernels.
+buffer; no sparse bigram comms (n-gram rows are NgramStore's update); no Triton XXT kernels
+(quack's gemm_symmetric / gemm_add with optim.polar_gemms=quack).
 
 Legend: W world size, M matrices in a bank view, K = M/W owned matrices, R rows, C cols,
 D0 a sharded table's dim 0, Dp = ceil(D0/W) owned rows, S per-step values, NG grouped Adam params.
@@ -99,7 +104,8 @@ from torch import Tensor, nn
 from track_1_short.optim import anvil_math
 from track_1_short.optim.anvil_config import (ADAM, ALL_REDUCE, ANVIL, PARAM_TABLE, SHARDED,
                                               AnvilConfig, ParamConfig, build_param_cfgs)
-from track_1_short.optim.polar_express import POLAR_EXPRESS_COEFFS, derive_coefficients
+from track_1_short.optim.polar_express import (POLAR_EXPRESS_COEFFS, TORCH_PE_GEMMS, PolarGemms,
+                                               derive_coefficients)
 from track_1_short.optim.step_values import StepValues
 
 __all__ = ["AnvilAndAdam", "AnvilConfig", "ParamConfig", "PARAM_TABLE", "build_param_cfgs",
@@ -169,9 +175,16 @@ class AnvilAndAdam:
 
     def __init__(self, param_cfgs: dict[nn.Parameter, ParamConfig], cfg: AnvilConfig,
                  process_group=None, *, names: dict[nn.Parameter, str] | None = None,
-                 tied_embed_head: tuple[nn.Parameter, nn.Parameter] | None = None):
+                 tied_embed_head: tuple[nn.Parameter, nn.Parameter] | None = None,
+                 polar_gemms: PolarGemms = TORCH_PE_GEMMS):
+        if polar_gemms.name != cfg.polar_gemms:
+            # the config is what the run log records: it must name the GEMMs that run
+            raise ValueError(f"optim.polar_gemms={cfg.polar_gemms!r} but the {polar_gemms.name!r} "
+                             "Polar Express GEMMs were passed: trainer/build.py resolves the "
+                             "strategy from the config (kernels/polar_gemms.QUACK_PE_GEMMS for quack)")
         self.param_cfgs = param_cfgs
         self.cfg = cfg
+        self.polar_gemms = polar_gemms
         self.group = process_group
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(process_group) if distributed else 1
@@ -423,7 +436,7 @@ class AnvilAndAdam:
         shard = b.shard
         self._bank_step(grad, b.momentum, b.second_moment, b.master if b.master is not None else shard,
                         shard if b.master is not None else None, b.lr_mul, self._anvil_values,
-                        self.cfg.beta2, b.ortho_dtype, self.coeffs)
+                        self.cfg.beta2, b.ortho_dtype, self.coeffs, self.polar_gemms)
 
     def _anvil_phase(self, pending: dict) -> list:
         gathers = []

@@ -23,6 +23,7 @@ from torch import nn
 ANVIL, ADAM = "anvil", "adam"
 ALL_REDUCE, SHARDED = "all_reduce", "sharded"
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+POLAR_GEMMS = ("torch", "quack")  # AnvilConfig.polar_gemms
 
 
 @dataclass(slots=True, kw_only=True, frozen=True)
@@ -123,6 +124,10 @@ class AnvilConfig:
     # force it; AnvilAndAdam.compiled holds the resolved value.
     compile: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend ("aot_eager": CPU tests of the compiled path)
+    # Polar Express's GEMMs: "torch" (bmm / baddbmm, the reference) or "quack" (quack-kernels'
+    # gemm_symmetric / gemm_add, no copy of the C operand: kernels/polar_gemms.py; CUDA SM90 /
+    # SM100 only, resolved by trainer/build.py).
+    polar_gemms: str = "torch"
 
     def __post_init__(self):
         for name in ("lr", "adam_lr", "adam_eps"):
@@ -140,6 +145,9 @@ class AnvilConfig:
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"AnvilConfig.compile_backend must be one of {COMPILE_BACKENDS}, got "
                              f"{self.compile_backend!r}")
+        if self.polar_gemms not in POLAR_GEMMS:
+            raise ValueError(f"AnvilConfig.polar_gemms (--set optim.polar_gemms) must be one of "
+                             f"{POLAR_GEMMS}, got {self.polar_gemms!r}")
         if self.ortho_dtype not in ("auto", "bfloat16", "float32", "float64"):
             raise ValueError("AnvilConfig.ortho_dtype must be auto, bfloat16, float32 or float64, "
                              f"got {self.ortho_dtype!r}")

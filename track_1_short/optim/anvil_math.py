@@ -38,7 +38,7 @@ Legend: K matrices in this rank's shard, R rows, C cols.
 import torch
 from torch import Tensor
 
-from track_1_short.optim.polar_express import polar_express
+from track_1_short.optim.polar_express import PolarGemms, polar_express
 
 SECOND_MOMENT_FLOOR = 1e-10  # keeps rsqrt finite for all-zero rows (padding matrices of a bank)
 
@@ -98,14 +98,15 @@ def adam_update_(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, b
 
 def anvil_bank_step_(grad: Tensor, momentum: Tensor, second_moment: Tensor, target: Tensor,
                      out: Tensor | None, lr_mul: Tensor, scalars: Tensor, beta2: float,
-                     ortho_dtype: torch.dtype, coeffs) -> None:
+                     ortho_dtype: torch.dtype, coeffs, gemms: PolarGemms | None = None) -> None:
     """One bank shard's ANVIL step. grad [K, R, C] (any float dtype); momentum, target (fp32
     parameter or master) [K, R, C] and second_moment (see normuon_) updated in place; out: the bf16
     shard [K, R, C] the master is rounded into (None when target is the parameter); lr_mul [K, 1, 1];
-    scalars [3] fp32 = (momentum mu, lr, weight_decay * lr)."""
+    scalars [3] fp32 = (momentum mu, lr, weight_decay * lr); gemms: Polar Express's GEMM strategy
+    (None: torch's; a compiled graph guards on the object, one graph per strategy)."""
     mu, lr, wd_lr = scalars[0], scalars[1], scalars[2]
     v = nesterov_(momentum, grad, mu)  # [K, R, C] fp32
-    v = polar_express(v, ortho_dtype, coeffs).float()
+    v = polar_express(v, ortho_dtype, coeffs, gemms).float()
     v = normuon_(v, second_moment, beta2)
     cautious_anvil_update_(target, v, lr_mul * lr, wd_lr)
     if out is not None:

@@ -26,12 +26,25 @@ Precision: callers normalise in fp32 (X / (||X||_F * 1.02 + 1e-6), the 1.02 keep
 under 1 even after a bf16 rounding) and iterate in `dtype` (bf16 on CUDA as in the record; fp32 or
 float64 in tests).
 
+GEMMs (`PolarGemms`): the iteration's three products come from a strategy object, so one loop
+serves both implementations. `TORCH_PE_GEMMS` (the default and the reference) is bmm / baddbmm;
+baddbmm with beta != 0 first copies its C operand into the output (on one H200 0.41 ms per step
+copying x and 0.16 ms copying the Gram matrices, of a 3.7 ms optimizer step). The quack one
+(kernels/polar_gemms.py, `AnvilConfig.polar_gemms = "quack"`, resolved by trainer/build.py and
+passed in: this module never imports kernels/) reads C in the GEMM epilogue instead and computes
+only one triangle of each symmetric product.
+
 Provenance: Amsel, Persson, Musco, Gower, "The Polar Express" (2025); modded-nanogpt PR #253 era
-`polar_express` (banked, tall/wide split). Deviations: none in the math; no Triton XXT kernels yet
-(plain bmm; `AnvilConfig.compile` wraps the function in torch.compile).
+`polar_express` (banked, tall/wide split). Deviations: none in the math; no Triton XXT kernels
+(plain bmm, or quack's gemm_symmetric / gemm_add with `polar_gemms="quack"`:
+kernels/polar_gemms.py; `AnvilConfig.compile` wraps the function in torch.compile).
+
+Legend: B matrices in the batch, R rows, C cols, N = min(R, C) (the Gram side).
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -88,19 +101,48 @@ def derive_coefficients(num_iters: int = 5, lower: float = PE_LOWER, safety: flo
     return out
 
 
-def polar_express(g: Tensor, dtype: torch.dtype, coeffs=POLAR_EXPRESS_COEFFS) -> Tensor:
+@dataclass(slots=True, frozen=True)
+class PolarGemms:
+    """The three GEMMs of one Polar Express iteration (tall: R > C). Each returns a new tensor
+    in x's dtype and never writes its inputs (compiled callers keep x and A alive across them)."""
+
+    name: str  # AnvilConfig.polar_gemms value this strategy implements ("torch", "quack")
+    gram: Callable[[Tensor, bool], Tensor]  # (x [B, R, C], tall) -> A [B, N, N]: X^T X or X X^T
+    poly: Callable[[Tensor, float, float], Tensor]  # (A, b, c) -> bA + cA^2 [B, N, N]
+    apply: Callable[[Tensor, Tensor, float, bool], Tensor]  # (x, P, a, tall) -> aX + XP or aX + PX
+
+
+def _torch_gram(x: Tensor, tall: bool) -> Tensor:
+    return x.mT @ x if tall else x @ x.mT  # [B, C, C] tall, [B, R, R] wide
+
+
+def _torch_poly(gram: Tensor, b: float, c: float) -> Tensor:
+    return torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # [B, N, N]
+
+
+def _torch_apply(x: Tensor, poly: Tensor, a: float, tall: bool) -> Tensor:
+    return torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)  # [B, R, C]
+
+
+TORCH_PE_GEMMS = PolarGemms(name="torch", gram=_torch_gram, poly=_torch_poly, apply=_torch_apply)
+
+
+def polar_express(g: Tensor, dtype: torch.dtype, coeffs=POLAR_EXPRESS_COEFFS,
+                  gemms: PolarGemms | None = None) -> Tensor:
     """Approximate polar factor U V^T of each matrix of g [B, R, C] (fp32 in, `dtype` out).
 
     Wide or square (R <= C): A = X X^T [B, R, R], X <- aX + (bA + cA^2) X.
     Tall (R > C):            A = X^T X [B, C, C], X <- aX + X (bA + cA^2).
-    Both keep the Gram matrix at min(R, C)^2, the cheap side.
+    Both keep the Gram matrix at min(R, C)^2, the cheap side. gemms: whose GEMMs compute the
+    three products (None: TORCH_PE_GEMMS, the reference).
     """
     assert g.dim() == 3, f"polar_express takes a batch of matrices [B, R, C], got {tuple(g.shape)}"
+    gemms = TORCH_PE_GEMMS if gemms is None else gemms
     norm = g.flatten(1).norm(dim=1).view(-1, 1, 1)  # [B, 1, 1]
     x = (g / (norm * FROBENIUS_SLACK + NORM_EPS)).to(dtype)  # [B, R, C]
     tall = g.size(1) > g.size(2)
     for a, b, c in coeffs:
-        gram = x.mT @ x if tall else x @ x.mT  # [B, C, C] tall, [B, R, R] wide
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # bA + cA^2
-        x = torch.baddbmm(x, x, poly, beta=a) if tall else torch.baddbmm(x, poly, x, beta=a)
+        gram = gemms.gram(x, tall)  # [B, N, N]
+        poly = gemms.poly(gram, b, c)  # bA + cA^2 [B, N, N]
+        x = gemms.apply(x, poly, a, tall)  # [B, R, C]
     return x

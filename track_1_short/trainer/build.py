@@ -18,9 +18,9 @@ prepare_model's order, and why (torchtitan's parallelize_* plays this role):
   4. the n-gram store built around the model's lookup (perf/ngram_store.py: the table, its
      sparse Adam, held gradients, the row pull into the lookup's cache) and sharded (several
      ranks): before the optimizer and any capture or census, as both bake the table's shard;
-  5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, and
-     takes value_embeds' gradient buffer (and the token embedding's, TrainConfig.embed_grad
-     "pull"); wrapped in OptimizerGraphs (its device half captured
+  5. optimizer: reads the final parameters (dtype, sharding) for its masters and state, takes
+     value_embeds' gradient buffer (and the token embedding's, TrainConfig.embed_grad "pull")
+     and Polar Express's GEMMs (optim.polar_gemms=quack: kernels/polar_gemms.py); wrapped in OptimizerGraphs (its device half captured
      per cadence, perf/cuda_graphs/optimizer_graphs.py) with --graphs on, on one rank;
   6. compile: wraps the model as it now is (every later change would be a recompile);
   7. step runner (CUDA graphs or the eager twin): wraps the compiled model and hands gradients
@@ -50,6 +50,7 @@ from track_1_short.model.loss import build_prefix_table
 from track_1_short.optim.adamw_baseline import AdamWBaseline
 from track_1_short.optim.anvil import AnvilAndAdam
 from track_1_short.optim.anvil_config import build_param_cfgs
+from track_1_short.optim.polar_express import TORCH_PE_GEMMS, PolarGemms
 from track_1_short.perf.cuda_graphs.capture_plan import step_keys
 from track_1_short.perf.cuda_graphs.grad_handoff import loss_scale
 from track_1_short.perf.cuda_graphs.optimizer_graphs import OptimizerGraphsConfig, make_optimizer_graphs
@@ -107,12 +108,29 @@ def build_optimizer(cfg: RunConfig, model: GPT, ctx: DistributedContext) -> Opti
     else:
         opt = AnvilAndAdam(build_param_cfgs(model.named_parameters()), cfg.optim,
                            tied_embed_head=(model.embed.weight, model.lm_head),
-                           names={p: n for n, p in model.named_parameters()})
+                           names={p: n for n, p in model.named_parameters()},
+                           polar_gemms=resolve_polar_gemms(cfg.optim.polar_gemms, ctx.device))
     opt.set_grad_buffer(model.value_embeds.weight, model.value_embeds.grad_accum)
     embed_grad = embed_grad_buffer(cfg.train, model)
     if embed_grad is not None:
         opt.set_grad_buffer(model.embed.weight, embed_grad)
     return opt
+
+
+def resolve_polar_gemms(name: str, device: torch.device) -> PolarGemms:
+    """AnvilConfig.polar_gemms as the strategy AnvilAndAdam passes to Polar Express: torch's
+    bmm / baddbmm, or "quack" (kernels/polar_gemms.py: gemm_symmetric / gemm_add, no copy of the
+    C operand), an error naming the reason where quack cannot run (asked for explicitly: no
+    silent fallback to torch's GEMMs)."""
+    if name == "torch":
+        return TORCH_PE_GEMMS
+    from track_1_short.kernels import polar_gemms
+
+    reason = polar_gemms.polar_express_unavailable_reason(device)
+    if reason is not None:
+        raise ValueError(f"optim.polar_gemms=quack cannot run on {device}: {reason}; use "
+                         f"optim.polar_gemms=torch")
+    return polar_gemms.QUACK_PE_GEMMS
 
 
 def embed_grad_buffer(train: TrainConfig, model: GPT) -> Tensor | None:

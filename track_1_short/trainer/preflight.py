@@ -13,7 +13,7 @@ default run id is rank 0's, broadcast). Nothing here writes: the run dir is clai
 (run_dir.claim_run_dir), so a run refused here leaves nothing behind.
 
 Checks: the device, and on a CPU run the settings that name a CUDA kernel (--mlp-kernel quack,
-train.ngram_accumulate other than auto or index_add, an attention backend the model refuses on the CPU); every train and val shard's header, size, token range and BOS (data.check_shards,
+optim.polar_gemms=quack, train.ngram_accumulate other than auto or index_add, an attention backend the model refuses on the CPU); every train and val shard's header, size, token range and BOS (data.check_shards,
 a vectorised pass over a memmap: ~0.1 s per 100M-token shard); the validation set holds at least
 one batch per rank; the document capacity of each stage's micro-batches and of a validation batch
 (the cu_seqlens length its graphs bake): where the config leaves it None (every preset), the most
@@ -80,13 +80,15 @@ def check_device(cfg: RunConfig) -> None:
     if not on_cuda:
         cuda_kernels = {"--mlp-kernel quack": cfg.train.mlp_kernel == "quack",
                         "--set train.qk_norm_rope=triton": cfg.train.qk_norm_rope == "triton",
+                        "--set optim.polar_gemms=quack": cfg.optim.polar_gemms == "quack",
                         f"--set train.ngram_accumulate={cfg.train.ngram_accumulate}":
                             not _accumulates_on_cpu(cfg.train.ngram_accumulate)}
         asked = next((setting for setting, on in cuda_kernels.items() if on), None)
         if asked is not None:
             raise PreflightError(f"{asked} runs a CUDA kernel and this run is on the CPU (device "
                                  f"cpu); drop it (the defaults: --mlp-kernel torch, "
-                                 f"train.qk_norm_rope=torch, train.ngram_accumulate=auto) or run on a GPU host")
+                                 f"train.qk_norm_rope=torch, optim.polar_gemms=torch, "
+                                 f"train.ngram_accumulate=auto) or run on a GPU host")
         try:  # the model's own rule (model/attention.resolve_backend), without touching CUDA
             resolve_backend(cfg.model.attention_backend, torch.device("cpu"))
         except ValueError as e:
