@@ -174,7 +174,7 @@ def setup_torch(device: torch.device) -> dict:
         # (measured: 40 ms vs 2.3 s per forward with 2 threads on 2 loaded cores)
         torch.set_num_threads(1)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index or 0)  # "cuda" without an index: set_device refuses it
         # Initialise CUPTI before any graph capture, so kernels inside replayed graphs are traced.
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.ones(1, device=device).add_(1)

@@ -107,7 +107,7 @@ def child(args) -> int:
     """--child NAME: measure every --tokens under train.blas=NAME in this process (fresh: the
     setting goes in before the first CUDA call), JSON on stdout's last line."""
     with blas.applied(args.child, flag="--child"):
-        device = torch.device("cuda")
+        device = torch.device("cuda", 0)  # set_device refuses "cuda" without an index
         torch.cuda.set_device(device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
             torch.ones(1, device=device).add_(1)  # CUPTI up before the capture (bench/common.setup_torch)
