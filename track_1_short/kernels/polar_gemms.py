@@ -36,7 +36,7 @@ What must stay stable: nothing persistent; the strategy object `QUACK_PE_GEMMS` 
 global (a compiled bank step guards on it). trainer/build.py passes it to AnvilAndAdam where
 `polar_express_unavailable_reason(device)` is None, else refuses optim.polar_gemms=quack.
 
-`_quack()` is the one place the library is imported (as kernels/relu2_mlp.py; the same hint);
+`_quack()` is the one place the library is imported (through kernels/quack_lib.py, as kernels/relu2_mlp.py);
 the CPU tests replace `_lib` with torch stand-ins that check the operand roles
 (tests/test_polar_gemms.py). The kernels: tests/test_polar_gemms_gpu.py on the H200; the
 timing: bench/polar_express.py.
@@ -44,12 +44,10 @@ timing: bench/polar_express.py.
 Legend: L matrices in the batch (a bank shard's K), R rows, C cols, N = min(R, C).
 """
 
-import importlib
-
 import torch
 from torch import Tensor
 
-from track_1_short.kernels.relu2_mlp import QUACK_HINT
+from track_1_short.kernels.quack_lib import import_gemm_interface
 from track_1_short.model.attention_fa4 import cute_dsl_unavailable_reason
 from track_1_short.optim.polar_express import PolarGemms
 
@@ -61,11 +59,7 @@ def _quack():
     polar_express_unavailable_reason calls it, so the trainer's build fails there)."""
     global _lib
     if _lib is None:
-        try:
-            _lib = importlib.import_module("quack.gemm_interface")
-        except ImportError as e:
-            raise ImportError(f"AnvilConfig.polar_gemms='quack' needs quack-kernels ({e}); "
-                              f"{QUACK_HINT}") from e
+        _lib = import_gemm_interface("AnvilConfig.polar_gemms='quack'")
     return _lib
 
 

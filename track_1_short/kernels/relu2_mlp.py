@@ -39,24 +39,20 @@ the autograd.Function around them and never quack's Python; quack allocates with
 iterations make before any capture (QUACK_CACHE_AUTOTUNING=1 and QUACK_CACHE_DIR keep the
 choices on disk for the next run; scripts/gpu/common.sh sets both).
 
-`_quack()` is the one place the library is imported (flash-attn-4's dependency; on the H200 hosts
+`_quack()` is the one place the library is imported (through kernels/quack_lib.py; flash-attn-4's dependency; on the H200 hosts
 scripts/gpu/fa4_wheels.sh carries both); the CPU tests replace it with torch stand-ins to check
 the plumbing. The kernels: tests/test_relu2_mlp_gpu.py on the H200.
 
 Legend: T tokens, D model dim, F MLP hidden.
 """
 
-import importlib
-
 import torch
 from torch import Tensor
 
+from track_1_short.kernels.quack_lib import import_gemm_interface
 from track_1_short.model.attention_fa4 import cute_dsl_unavailable_reason
 from track_1_short.model.fp8 import E4M3, amax_scale, check_fp8_dims, quantise
 
-QUACK_HINT = ("pip install quack-kernels (with nvidia-cutlass-dsl-libs-cu13 for CUDA 13); on a host "
-              "without a registry: scripts/gpu/fa4_wheels.sh here, fa4_install.sh there, then "
-              "source .fa4_site/ENV")
 
 
 _lib = None  # quack.gemm_interface once imported (the CPU tests set a stand-in)
@@ -67,11 +63,7 @@ def _quack():
     quack_unavailable_reason calls it, so the trainer's install fails there, naming the package)."""
     global _lib
     if _lib is None:
-        try:
-            _lib = importlib.import_module("quack.gemm_interface")
-        except ImportError as e:
-            raise ImportError(f"TrainConfig.mlp_kernel='quack' needs quack-kernels ({e}); "
-                              f"{QUACK_HINT}") from e
+        _lib = import_gemm_interface("TrainConfig.mlp_kernel='quack'")
     return _lib
 
 
