@@ -16,8 +16,9 @@ interpreter runs the plain-math variant (fast_math's inline PTX cannot run there
 
 Not collected by the normal suite (the name does not match test_*.py): TRITON_INTERPRET=1 must be
 set before triton is first imported, and must not leak into other tests, so
-tests/test_softcap_ce.py runs this file in its own pytest process.
-Hardware: CPU; ~1-3 s per kernel call in the interpreter, ~2 min in all on 2 busy cores.
+tests/test_softcap_ce.py runs this file in its own pytest process: a subset by node id in the
+default run (its QUICK_CASES, ~30 s), every case under `-m slow`.
+Hardware: CPU; ~1-3 s per kernel call in the interpreter, ~3-4 min in all on 2 cores.
 Run: `TRITON_INTERPRET=1 PYTHONPATH=. .venv/bin/python -m pytest -s -q tests/softcap_ce_cases.py`.
 
 Legend: T tokens, D model dim, V vocab, N MTP targets.
@@ -118,9 +119,17 @@ CASES = [
     (torch.bfloat16, 3, 130, 1000, LARGE, 1e-6, 1e-2),
     (torch.bfloat16, 1, 64, 384, LARGE, 1e-6, 1e-2),
 ]
+# stable test ids (tests/test_softcap_ce.py selects cases by id): dtype, N, T, V, the launch's name
+# (looked up by identity: SMALL and SMALL_TANH are equal values, tanh_sigmoid being on by default)
+LAUNCH_NAMES = ((SMALL, "small"), (SMALL_MUFU, "small_mufu"), (SMALL_FMA2, "small_fma2"),
+                (SMALL_TANH, "small_tanh"), (SMALL_ONE_PASS, "small_one_pass"), (LARGE, "large"),
+                (LARGE_ONE_PASS, "large_one_pass"))
+CASE_IDS = [f"{str(dtype).removeprefix('torch.')}-N{n}-T{t}-V{v}-"
+            + next(name for obj, name in LAUNCH_NAMES if obj is launch)
+            for dtype, n, t, v, launch, *_ in CASES]
 
 
-@pytest.mark.parametrize("dtype,n,t,v,launch,loss_tol,grad_tol", CASES)
+@pytest.mark.parametrize("dtype,n,t,v,launch,loss_tol,grad_tol", CASES, ids=CASE_IDS)
 def test_loss_and_gradients_match_float64_reference(dtype, n, t, v, launch, loss_tol, grad_tol):
     args = _inputs(seed=1000 * n + t, t=t, d=32, v=v, n=n, dtype=dtype)
     loss_ref, _, dx_ref, dw_ref = _reference_float64(*args)
@@ -137,8 +146,9 @@ def test_loss_and_gradients_match_float64_reference(dtype, n, t, v, launch, loss
 # The interpreter's float32 -> bf16 cast truncates (triton 3.6 runtime/interpreter.py cast_impl);
 # the GPU rounds to nearest. Bound per element: one bf16 ulp here (2^-7 relative), half an ulp on
 # the GPU (tests/test_softcap_ce_gpu.py).
-@pytest.mark.parametrize("one_pass", [False, True])
-@pytest.mark.parametrize("dtype,ulp_rel", [(torch.float32, 2.0 ** -23), (torch.bfloat16, 2.0 ** -7)])
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("dtype,ulp_rel", [(torch.float32, 2.0 ** -23), (torch.bfloat16, 2.0 ** -7)],
+                         ids=["float32", "bfloat16"])
 def test_logit_gradient_written_over_the_logits(dtype, ulp_rel, one_pass):
     """The raw op's dz (unit upstream gradient) times its row scale, element by element: within
     one ulp of dz's dtype plus float32 math, and the loss within float32 rounding; the row scale
@@ -197,7 +207,7 @@ def test_matches_the_float32_torch_path():
     assert errs[0] < 1e-6 and max(errs[1:]) < 1e-2
 
 
-@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
 def test_opcheck(one_pass):
     x, w, targets, mtp, pw, prefix, _ = _inputs(seed=6, t=17, d=8, v=100, n=2, dtype=torch.float32)
     args = (x.requires_grad_(), w.requires_grad_(), targets, mtp, pw, prefix, 64, 4, 2, False, 1,

@@ -1,7 +1,10 @@
-"""bench/gemm_memsets.py off the GPU: the GEMM list's shapes at a small token count, the variant
-choice (no memset at any token count and never slower than the default, the fastest such), the
---choice-env file it writes, and the refusals of bad flags (exit 2 naming the flag).
-Hardware: CPU, ~3 s. Run: `.venv/bin/python -m pytest tests/test_gemm_memsets_bench.py -q`.
+"""bench/gemm_memsets.py off the GPU: the GEMM list's output shapes and dtype at the model's
+shapes and a small token count (every op traced under FakeTensorMode: shapes propagate, no
+arithmetic runs), the variant choice (no memset at any token count and never slower than the
+default, the fastest such), the --choice-env file it writes, and the refusals of bad flags (exit 2
+naming the flag).
+Hardware: CPU, ~5 s (most of it importing torch._dynamo for FakeTensorMode, shared with other
+tests). Run: `.venv/bin/python -m pytest tests/test_gemm_memsets_bench.py -q`.
 """
 
 import subprocess
@@ -10,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bench import gemm_memsets
 
@@ -17,13 +21,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_gemm_ops_run_at_the_model_shapes_on_cpu():
-    ops = gemm_memsets.gemm_ops(8, torch.device("cpu"))
-    shapes = {name: tuple(fn().shape) for name, fn in ops.items()}
-    d, f = gemm_memsets.D, gemm_memsets.FF
-    assert shapes["qk_fwd"] == (8, 2 * d) and shapes["qk_dx"] == (8, d) and shapes["qk_dw"] == (2 * d, d)
-    assert shapes["mlp_down_fwd"] == (8, d) and shapes["mlp_down_dw"] == (d, f)
-    assert shapes["pe_update_tall"] == (gemm_memsets.TALL, f, d)
-    assert shapes["pe_poly_square"] == (gemm_memsets.SQUARE, d, d)
+    """Every op at the full model shapes (T = 8), as fake tensors: the inputs and each GEMM's
+    output carry shapes and dtypes only (a mismatched GEMM still raises, a wrong output shape
+    fails the comparison), so none of the ~10 GFLOP of the Polar Express banks runs."""
+    t, d, f, tall, square = 8, gemm_memsets.D, gemm_memsets.FF, gemm_memsets.TALL, gemm_memsets.SQUARE
+    with FakeTensorMode():
+        ops = gemm_memsets.gemm_ops(t, torch.device("cpu"))
+        outs = {name: fn() for name, fn in ops.items()}
+    expected = {
+        "qk_fwd": (t, 2 * d), "qk_dx": (t, d), "qk_dw": (2 * d, d),
+        "v_o_fwd": (t, d), "v_o_dx": (t, d), "v_o_dw": (d, d),
+        "mlp_up_fwd": (t, f), "mlp_up_dx": (t, d), "mlp_up_dw": (f, d),
+        "mlp_down_fwd": (t, d), "mlp_down_dx": (t, f), "mlp_down_dw": (d, f),
+        "pe_gram_tall": (tall, d, d), "pe_poly_tall": (tall, d, d), "pe_update_tall": (tall, f, d),
+        "pe_gram_square": (square, d, d), "pe_poly_square": (square, d, d),
+        "pe_update_square": (square, d, d),
+    }
+    assert {name: tuple(out.shape) for name, out in outs.items()} == expected
+    assert all(out.dtype == torch.bfloat16 for out in outs.values())
 
 
 def _variant(medians: dict, memsets: dict) -> dict:
