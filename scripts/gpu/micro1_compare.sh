@@ -7,6 +7,9 @@
 #   bash scripts/gpu/micro1_compare.sh run      within the machine's warm window: graphs on, then
 #                                               off (each re-traces against the warm caches, then
 #                                               188 steps), then report compare -> $OUT/compare/
+#   bash scripts/gpu/micro1_compare.sh on|off   one run alone, cold or warm (the whole call's deadline),
+#                                               for when the warm window between calls is lost: the
+#                                               two run dirs come back and `report compare` runs here
 #   carry [".carry/tiktoken", "data/embedded"]
 # Both runs: `track_1_short.train --preset small-gpu --micro-steps 1 --no-save-final` (the
 # optimizer then works on whole banks, not a 1/8 shard; the global batch is one slice per step, so
@@ -29,7 +32,8 @@ case "$MODE" in
     micro1_train micro1-off $(( $(left) - 20 )) --graphs off
     python3 -m track_1_short.report compare --run "graphs_on=$OUT/runs/micro1-on" \
         --run "graphs_off=$OUT/runs/micro1-off" --out "$OUT/compare" 2>&1 | tee "$L/compare.log" ;;
-  *) echo "micro1_compare.sh: MODE is warmup or run, not '$MODE'" >&2; exit 2 ;;
+  on|off) micro1_train "micro1-$MODE" $(( $(left) - 10 )) --graphs "$MODE" ;;
+  *) echo "micro1_compare.sh: MODE is warmup, run, on or off, not '$MODE'" >&2; exit 2 ;;
 esac
 echo "micro1_compare.sh $MODE: done after $(elapsed) s" | tee -a "$L/compare.log"
 pack_outputs  # compare/ stays beside results.tgz
