@@ -14,6 +14,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from track_1_short.model.tokens import BOS_ID
@@ -182,6 +183,49 @@ def test_norm_rotate_backward_stacks_the_qk_gradient(paired):
     ops = {str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"}
     assert "aten.stack.default" in ops, sorted(ops)
     assert not {o for o in ops if "select_backward" in o}, sorted(ops)
+
+
+@pytest.mark.parametrize("n", [1, 6])
+def test_narrow_linear_matches_linear_and_compiles_without_a_gemm(n):
+    """model/gpt.narrow_linear (the smear and value-embedding gates): bf16 forward and both
+    gradients within bf16 rounding of F.linear in float64; compiled, its forward and backward
+    graphs hold no mm / addmm / bmm (the weight gradient is a reduction over T, not a cuBLAS
+    GEMM, whose one-block kernel without a workspace took ~190 us at T = 16384 on an H100)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from track_1_short.model.gpt import narrow_linear
+
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(512, 12, generator=g, dtype=torch.float64)
+    w64 = torch.randn(n, 12, generator=g, dtype=torch.float64) * 0.3
+    up = torch.randn(512, n, generator=g, dtype=torch.float64)
+    x, w = (t.to(torch.bfloat16).requires_grad_() for t in (x64, w64))
+    xr, wr = (t.detach().double().requires_grad_() for t in (x, w))  # the same bf16 values
+    out = narrow_linear(x, w)
+    ref = F.linear(xr, wr)
+    assert out.dtype == torch.bfloat16 and out.shape == (512, n)
+    (out.double() * up).sum().backward()
+    (ref * up).sum().backward()
+    for got, want in ((out, ref), (x.grad, xr.grad), (w.grad, wr.grad)):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-2, float(err)  # bf16 rounding of the result; F.linear's would be the same
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    xc, wc = (t.detach().clone().requires_grad_() for t in (x, w))
+    fn = torch.compile(narrow_linear, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                       fullgraph=True)
+    fn(xc, wc).float().sum().backward()
+    assert len(graphs) == 2
+    ops = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert not {o for o in ops if o.split(".")[1] in ("mm", "addmm", "bmm", "matmul")}, sorted(ops)
+    assert any("sum" in o for o in ops), sorted(ops)
 
 
 @pytest.mark.parametrize("gates", [False, True])

@@ -142,6 +142,22 @@ def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
+def narrow_linear(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) for a narrow weight (the smear gate [1, 12], the value-embedding gates
+    [H, 12]): x [..., K], w [N, K] -> [..., N] in x's dtype, products summed over K in float32
+    (as a bf16 GEMM accumulates), the result rounded once.
+
+    Why not F.linear: as a GEMM each gate is three cuBLAS calls per micro-step whose weight
+    gradient contracts over all T tokens into N * K <= 72 outputs. With cuBLAS's workspace
+    that is a split-K kernel (~7 us at T = 16384); without it (train.blas=no_workspace, which
+    keeps the memsets out of the step graphs) cuBLAS runs it on one thread block: ~190 us at
+    T = 16384 and ~430 us at T = 49152, five of them per micro-step (one H100,
+    docs/results/host_bound_h100_2026-12-06/). As a product and a sum, inductor fuses the
+    forward and the input gradient into their neighbours and makes the weight gradient a split
+    reduction over T, under any cuBLAS setting."""
+    return (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype)  # [..., N, K] -> [..., N]
+
+
 def norm_rotate(qk: Tensor, yarn: Yarn, paired: bool, copies: bool = False) -> tuple[Tensor, Tensor]:
     """The torch definition of q/k's rms-norm + rotation (kernels/qk_norm_rope.py's reference):
     qk [T, 2, H, Dh] -> q, k each [T, H, Dh] or, paired, [2T, H/2, Dh] (pair_heads' layout),
@@ -320,7 +336,8 @@ class GPT(nn.Module):
         banks = self._bank_views()
         x = pull_rows(self.embed.weight, inputs.long(), embed_grad)  # [T, D]
         ngram = self.ngram_table.gather(ngram_slots, ngram_sink).to(x.dtype)  # [T, D]
-        gate = torch.sigmoid(F.linear(x[1:, :SMEAR_DIMS], self.smear_gate.weight.to(x.dtype)))
+        w = self.smear_gate.weight.to(x.dtype)  # [1, 12]
+        gate = torch.sigmoid(narrow_linear(x[1:, :SMEAR_DIMS], w))  # [T-1, 1]
         x = torch.cat([x[:1], x[1:] + self.smear_lambda.to(x.dtype) * gate * x[:-1]])
         x0 = rms_norm(x)
         gates = GateValues(self.mudd_gates, self.gate_layout) if m.gates else None
@@ -414,7 +431,7 @@ class GPT(nn.Module):
             if gate is None:
                 gate_in = torch.cat([xn[:, :VE_GATE_DIMS], ve[:, :VE_GATE_DIMS]], dim=-1)  # [T, 12]
                 w = self.ve_gate_bank[self.ve_gate_slot[i]].to(x.dtype)  # [H, 12]
-                gate = 2 * torch.sigmoid(F.linear(gate_in, w))
+                gate = 2 * torch.sigmoid(narrow_linear(gate_in, w))  # [T, H]
             v = v + gate[..., None] * ve.view(t, h, dh)
         if mix.v_extra is not None:
             v = v + mix.v_extra.view(t, h, dh)
