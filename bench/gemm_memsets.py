@@ -14,15 +14,22 @@ Express GEMMs (gram, gram^2 and x @ poly on 22 tall [F, D] and 44 square [D, D] 
 captured into one CUDA graph. Then 30 replays timed with CUDA events, 3 profiled (memsets per
 replay, kernel ms, busy fraction: profiling.kernel_stats), and one eager call of each GEMM profiled
 alone (its kernel names and memsets: which GEMMs carry one).
+Then the model's narrow gates (five value-embedding gates, x [T, 12] bf16, w [6, 12]; sigmoid and
+a weighted sum as the loss), compiled forward + backward captured into one graph per
+implementation (GATE_IMPLS): "linear" (F.linear: cuBLAS, whose weight gradient contracts all T
+tokens in one GEMM), "product_sum" (a product and a float32 sum, autograd's backward: an inductor
+reduction over T) and "narrow_linear" (model/gpt.narrow_linear: the same forward, the weight
+gradient as a chunked float32 bmm); 30 replays timed, 3 profiled: replay ms, kernel ms, memsets.
 
 Usage, one H200 (~1-2 min):
     PYTHONPATH=. python bench/gemm_memsets.py --out $OUT/gemm_memsets.json \
         [--tokens 16384,49152] [--variants default,no_workspace] [--choice-env build/gemm_choice.txt]
 Output JSON: {command, machine, tokens, variants: {name: {setting, blas, by_tokens: {T: {replay_ms
-(summarize), memsets_per_replay, kernel_ms, busy_fraction, ops: {op: {kernels, memsets}}}} |
-error}}, choice, complete}. `choice`: the variant with no memset at any T whose replay median
-is at most the default's at every T (the fastest such), else null; --choice-env writes it as the
---set item `train.blas=NAME` (an empty file for none), for a later script to pass on.
+(summarize), memsets_per_replay, kernel_ms, busy_fraction, ops: {op: {kernels, memsets}},
+gates: {impl: {replay_ms, kernel_ms, kernels_per_replay, memsets_per_replay, top (kernels)}}}} |
+error}}, choice, complete}. `choice`: the variant with no memset at any T whose replay median is
+at most the default's at every T (the fastest such), else null; --choice-env writes it as the --set item
+`train.blas=NAME` (an empty file for none), for a later script to pass on.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import torch.nn.functional as F
 
 from bench import common
 from track_1_short.atomic_io import write_json_atomic, write_text_atomic
+from track_1_short.model.gpt import narrow_linear
 from track_1_short.perf import blas, profiling
 
 D, FF = 768, 3072
@@ -69,6 +77,62 @@ def gemm_ops(t: int, device: torch.device) -> dict:
     return ops
 
 
+GATES, GATE_K, GATE_N = 5, 12, 6  # value-embedding gates per micro-step, their [N, K] weights
+GATE_IMPLS = {
+    "linear": F.linear,
+    "product_sum": lambda x, w: (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype),
+    "narrow_linear": narrow_linear,
+}
+
+
+def gate_step(impl: str, t: int, device: torch.device):
+    """A zero-argument callable: the five gates' compiled forward and backward at T tokens under
+    GATE_IMPLS[impl] (inputs made here, gradients returned)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=g)
+    xs = [r(t, GATE_K).to(torch.bfloat16).requires_grad_() for _ in range(GATES)]
+    ws = [(r(GATE_N, GATE_K) * 0.1).requires_grad_() for _ in range(GATES)]  # float32 params
+    us = [r(t, GATE_N).to(torch.bfloat16) for _ in range(GATES)]
+    fn = GATE_IMPLS[impl]
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def loss_of(xs, ws):
+        return sum((torch.sigmoid(fn(x, w.to(x.dtype))) * u).float().sum() for x, w, u in zip(xs, ws, us))
+
+    return lambda: torch.autograd.grad(loss_of(xs, ws), xs + ws)
+
+
+def _captured(fns, device: torch.device):
+    """fns (zero-argument callables) captured into one CUDA graph after two eager calls each; its
+    replay (the outputs live in the graph's pool)."""
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn(), fn()
+        with torch.cuda.graph(graph, stream=stream):
+            keep = [fn() for fn in fns]  # noqa: F841 - outputs live in the graph's pool
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(5):
+        graph.replay()
+    return graph.replay
+
+
+def measure_gates(t: int, device: torch.device) -> dict:
+    """Each GATE_IMPLS entry's captured forward + backward of the five gates at T tokens."""
+    out = {}
+    for impl in GATE_IMPLS:
+        replay = _captured([gate_step(impl, t, device)], device)
+        times = common.time_steps(lambda _: replay(), REPLAYS, device)
+        events = common.device_events(lambda _: replay(), PROFILED, device)
+        stats = profiling.kernel_stats(events, PROFILED, top=6)
+        out[impl] = {"replay_ms": times, "kernel_ms": stats["kernel_ms"],
+                     "kernels_per_replay": stats["kernels_per_step"],
+                     "memsets_per_replay": _memsets(events) / PROFILED, "top": stats["top_kernels"]}
+    return out
+
+
 def _memsets(events: list[dict]) -> int:
     return sum(1 for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_memset")
 
@@ -84,23 +148,14 @@ def measure(t: int, device: torch.device) -> dict:
         per_op[name] = {"kernels": sorted({e["name"][:120] for e in events
                                            if e.get("ph") == "X" and e.get("cat") == "kernel"}),
                         "memsets": _memsets(events)}
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in ops.values():
-            fn()
-        with torch.cuda.graph(graph, stream=stream):
-            keep = [fn() for fn in ops.values()]  # noqa: F841 - outputs live in the graph's pool
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(5):
-        graph.replay()
-    times = common.time_steps(lambda _: graph.replay(), REPLAYS, device)
-    events = common.device_events(lambda _: graph.replay(), PROFILED, device)
+    replay = _captured(list(ops.values()), device)
+    times = common.time_steps(lambda _: replay(), REPLAYS, device)
+    events = common.device_events(lambda _: replay(), PROFILED, device)
     stats = profiling.kernel_stats(events, PROFILED)
     return {"replay_ms": times, "memsets_per_replay": _memsets(events) / PROFILED,
             "kernel_ms": stats["kernel_ms"], "busy_fraction": stats["busy_fraction"],
-            "kernels_per_replay": stats["kernels_per_step"], "ops": per_op}
+            "kernels_per_replay": stats["kernels_per_step"], "ops": per_op,
+            "gates": measure_gates(t, device)}
 
 
 def child(args) -> int:
@@ -171,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
             for t, v in row["by_tokens"].items():
                 print(f"{name:11s} T={t:6s} replay {v['replay_ms']['median_ms']:8.3f} ms  memsets "
                       f"{v['memsets_per_replay']:5.1f}  busy {v['busy_fraction']:.4f}", flush=True)
+                for impl, gv in v["gates"].items():
+                    print(f"    gates {impl:13s} replay {gv['replay_ms']['median_ms']:7.3f} ms  kernel "
+                          f"{gv['kernel_ms']:7.3f} ms  kernels {gv['kernels_per_replay']:4.0f}  "
+                          f"memsets {gv['memsets_per_replay']:4.1f}", flush=True)
         else:
             row["error"] = (proc.stderr or proc.stdout)[-3000:]
             print(f"{name}: FAILED\n{row['error']}", flush=True)

@@ -72,3 +72,22 @@ def test_bad_flags_exit_2_naming_the_flag(tmp_path, flags, expected):
                            *flags], cwd=REPO, env={"PYTHONPATH": str(REPO)}, capture_output=True,
                           text=True)
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+
+
+def test_gate_implementations_agree_on_cpu():
+    """The three gate implementations the bench times compute the same values and gradients
+    (bf16 rounding apart): a timing of one is a timing of the same gate."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(256, gemm_memsets.GATE_K, generator=g).to(torch.bfloat16)
+    w0 = torch.randn(gemm_memsets.GATE_N, gemm_memsets.GATE_K, generator=g) * 0.1
+    u = torch.randn(256, gemm_memsets.GATE_N, generator=g)
+    results = {}
+    for impl, fn in gemm_memsets.GATE_IMPLS.items():
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        out = fn(x, w.to(x.dtype))
+        (torch.sigmoid(out).float() * u).sum().backward()
+        results[impl] = (out.float(), x.grad.float(), w.grad)
+    ref = results["linear"]
+    for impl, got in results.items():
+        for a, b in zip(got, ref):
+            assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), impl

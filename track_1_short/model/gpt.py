@@ -142,20 +142,47 @@ def rms_norm(x: Tensor) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],))
 
 
+GRAD_W_CHUNKS = 64  # narrow_linear's weight gradient: T split into up to this many GEMMs of a bmm
+
+
+class _NarrowLinear(torch.autograd.Function):
+    """narrow_linear's op: x [T, K] bf16, w [N, K] -> [T, N]. Traced by dynamo/AOTAutograd."""
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor) -> Tensor:
+        return (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype)  # [T, N, K] -> [T, N]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w = ctx.saved_tensors
+        grad_x = (g.unsqueeze(-1).float() * w.float()).sum(-2).to(x.dtype)  # [T, N, K] -> [T, K]
+        t, c = x.shape[0], math.gcd(x.shape[0], GRAD_W_CHUNKS)  # static: dynamic=False compiles
+        xc = x.float().reshape(c, t // c, x.shape[1])  # [C, T/C, K]
+        gc = g.float().reshape(c, t // c, g.shape[1])  # [C, T/C, N]
+        grad_w = torch.bmm(gc.transpose(1, 2), xc).sum(0)  # [C, N, K] -> [N, K], float32 sums
+        return grad_x, grad_w.to(w.dtype)
+
+
 def narrow_linear(x: Tensor, w: Tensor) -> Tensor:
     """F.linear(x, w) for a narrow weight (the smear gate [1, 12], the value-embedding gates
-    [H, 12]): x [..., K], w [N, K] -> [..., N] in x's dtype, products summed over K in float32
-    (as a bf16 GEMM accumulates), the result rounded once.
+    [H, 12]): x [T, K], w [N, K] -> [T, N] in x's dtype; F.linear is its reference.
+    Forward and input gradient: products summed over K (N) in float32, rounded once, which
+    inductor fuses into their neighbours. Weight gradient: T split into C = gcd(T, 64) chunks, a
+    float32 bmm [C, N, T/C] @ [C, T/C, K] (x and g hold bf16 values, exact in TF32) and a sum over
+    C; callers keep T a multiple of 64 (the smear gate runs on all T rows, not T - 1).
 
-    Why not F.linear: as a GEMM each gate is three cuBLAS calls per micro-step whose weight
-    gradient contracts over all T tokens into N * K <= 72 outputs. With cuBLAS's workspace
-    that is a split-K kernel (~7 us at T = 16384); without it (train.blas=no_workspace, which
-    keeps the memsets out of the step graphs) cuBLAS runs it on one thread block: ~190 us at
-    T = 16384 and ~430 us at T = 49152, five of them per micro-step (one H100,
-    docs/results/host_bound_h100_2026-12-06/). As a product and a sum, inductor fuses the
-    forward and the input gradient into their neighbours and makes the weight gradient a split
-    reduction over T, under any cuBLAS setting."""
-    return (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype)  # [..., N, K] -> [..., N]
+    Why: as F.linear the weight gradient is one GEMM contracting over all T tokens into N * K <=
+    72 outputs. cuBLAS runs it split-K with its workspace (~7 us at T = 16384 on an H100) and on
+    one thread block without it (train.blas=no_workspace, which keeps the memsets out of the step
+    graphs): ~190 us at T = 16384, ~430 us at T = 49152, five per micro-step. Left to autograd, the
+    product-and-sum form's weight gradient is an inductor reduction over T with 72 outputs: ~230 us
+    and ~720 us (docs/results/host_bound_h100_2026-12-06/, calls 2-3 and 5). The bmm's C chunks
+    each get their own thread blocks under any cuBLAS setting."""
+    return _NarrowLinear.apply(x, w)
 
 
 def norm_rotate(qk: Tensor, yarn: Yarn, paired: bool, copies: bool = False) -> tuple[Tensor, Tensor]:
@@ -337,7 +364,7 @@ class GPT(nn.Module):
         x = pull_rows(self.embed.weight, inputs.long(), embed_grad)  # [T, D]
         ngram = self.ngram_table.gather(ngram_slots, ngram_sink).to(x.dtype)  # [T, D]
         w = self.smear_gate.weight.to(x.dtype)  # [1, 12]
-        gate = torch.sigmoid(narrow_linear(x[1:, :SMEAR_DIMS], w))  # [T-1, 1]
+        gate = torch.sigmoid(narrow_linear(x[:, :SMEAR_DIMS], w))[1:]  # [T, 1] -> [T-1, 1]
         x = torch.cat([x[:1], x[1:] + self.smear_lambda.to(x.dtype) * gate * x[:-1]])
         x0 = rms_norm(x)
         gates = GateValues(self.mudd_gates, self.gate_layout) if m.gates else None
