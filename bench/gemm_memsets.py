@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from bench import common
 from track_1_short.atomic_io import write_json_atomic, write_text_atomic
-from track_1_short.model.gpt import narrow_linear
+from track_1_short.model.gpt import narrow_linear, narrow_product_sum
 from track_1_short.perf import blas, profiling
 
 D, FF = 768, 3072
@@ -80,7 +80,7 @@ def gemm_ops(t: int, device: torch.device) -> dict:
 GATES, GATE_K, GATE_N = 5, 12, 6  # value-embedding gates per micro-step, their [N, K] weights
 GATE_IMPLS = {
     "linear": F.linear,
-    "product_sum": lambda x, w: (x.unsqueeze(-2).float() * w.float()).sum(-1).to(x.dtype),
+    "product_sum": narrow_product_sum,
     "narrow_linear": narrow_linear,
 }
 
