@@ -115,12 +115,17 @@ def test_an_unknown_variant_is_refused():
     assert result.returncode == 2 and "unknown variant 'no_such_variant'" in result.stderr
 
 
-def _fake_fa4_carry(repo: Path, *, corrupt: bool = False) -> None:
+_FALLBACKS = (("einops", "einops", "einops-0.8.2"), ("cuda.bindings", "cuda/bindings", "cuda_bindings-13.0.3"),
+              ("cuda.pathfinder", "cuda/pathfinder", "cuda_pathfinder-1.9.1"),
+              ("google.protobuf", "google/protobuf", "protobuf-6.33.6"))
+
+
+def _fake_fa4_carry(repo: Path, *, corrupt: bool = False, fallback: bool = True) -> None:
     """The two carry halves as scripts/gpu/fa4_wheels.sh writes them, around a tarball of
     stand-in packages: `cutlass` (through nvidia_cutlass_dsl/dsl_packages, as the real wheel
     lays it out), `flash_attn.cute.interface`, `quack.epilogue.library` (it records whether its
-    file lies under a site-packages folder, the test quack's function fingerprint makes), and the
-    four fallbacks."""
+    file lies under a site-packages folder, the test quack's function fingerprint makes), and,
+    with `fallback` (FA4_FALLBACK=1), the four fallbacks."""
     import hashlib
     import io
     import tarfile
@@ -137,8 +142,7 @@ def _fake_fa4_carry(repo: Path, *, corrupt: bool = False) -> None:
             "def f():\n    pass\n"
             "assert f'{os.sep}site-packages{os.sep}' in f.__code__.co_filename, f.__code__.co_filename\n"),
     }
-    for path, dist in (("einops", "einops-0.8.2"), ("cuda/bindings", "cuda_bindings-13.0.3"),
-                       ("cuda/pathfinder", "cuda_pathfinder-1.9.1"), ("google/protobuf", "protobuf-6.33.6")):
+    for _, path, dist in _FALLBACKS if fallback else ():
         files[f"fa4/fallback/{path}/__init__.py"] = ""
         files[f"fa4/fallback/{dist}.dist-info/METADATA"] = ""
     buf = io.BytesIO()
@@ -178,6 +182,31 @@ def test_fa4_install_puts_the_packages_under_a_site_packages_folder(tmp_path):
     paths = env.split("PYTHONPATH=", 1)[1].split(":")[:2]
     assert all("/.fa4_site/site-packages" in p for p in paths), env
     assert (tmp_path / ".fa4_site" / "site-packages" / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass").is_dir()
+
+
+def test_fa4_install_without_fallbacks_needs_them_on_the_host(tmp_path):
+    """A tarball built without FA4_FALLBACK=1 installs where this Python has the four packages
+    (the device image does) and otherwise is exit 2 naming the first one missing, with no
+    half-made .fa4_site left behind."""
+    import importlib.util
+
+    def present(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent namespace package is absent
+            return False
+
+    missing = [module for module, _, _ in _FALLBACKS if not present(module)]
+    _fake_fa4_carry(tmp_path, fallback=False)
+    result = _fa4_install(tmp_path)
+    if not missing:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "fallbacks added: none" in result.stdout
+        return
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"this Python lacks {missing[0]} and the tarball has no fallback" in result.stderr
+    assert "FA4_FALLBACK=1" in result.stderr
+    assert not (tmp_path / ".fa4_site").exists()
 
 
 def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):

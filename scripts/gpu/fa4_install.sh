@@ -2,8 +2,9 @@
 # On the device machine, in the second of the two calls of scripts/gpu/fa4_wheels.sh: joins the
 # tarball's halves (.carry/fa4a from the first call, .carry/fa4b from this one), checks it against
 # SHA256SUMS and unpacks it into .fa4_site/site-packages (git-ignored); a fallback package
-# (einops, cuda.bindings, cuda.pathfinder, google.protobuf) is added only where this Python lacks
-# it. Then `source .fa4_site/ENV` (it sets PYTHONPATH) and python3 imports flash_attn.cute (or
+# (einops, cuda.bindings, cuda.pathfinder, google.protobuf: the image holds them, so the tarball
+# has them only when built with FA4_FALLBACK=1) is added only where this Python lacks it; one
+# missing from both is exit 2. Then `source .fa4_site/ENV` (it sets PYTHONPATH) and python3 imports flash_attn.cute (or
 # exit 2) and quack's GEMM epilogues (a failure there is printed: `--mlp-kernel quack` would fail).
 #   bash scripts/gpu/fa4_install.sh       (from the repo root; exit 2 with the reason otherwise)
 # The folder must be named site-packages: quack fingerprints the Python functions its epilogues
@@ -37,6 +38,10 @@ for entry in einops:einops:einops- cuda.bindings:cuda/bindings:cuda_bindings- \
              cuda.pathfinder:cuda/pathfinder:cuda_pathfinder- google.protobuf:google/protobuf:protobuf-; do
   IFS=: read -r module path dist <<< "$entry"
   python3 -c "import $module" 2>/dev/null && continue
+  [[ -d "$work/fa4/fallback/$path" ]] || {
+    echo "fa4_install: this Python lacks $module and the tarball has no fallback for it: run" \
+         "FA4_FALLBACK=1 bash scripts/gpu/fa4_wheels.sh here and carry both halves again" >&2
+    rm -rf "$ROOT"; exit 2; }
   mkdir -p "$SITE/$(dirname "$path")"
   cp -r "$work/fa4/fallback/$path" "$SITE/$path"
   cp -r "$work"/fa4/fallback/"$dist"*.dist-info "$SITE/"
