@@ -217,6 +217,47 @@ def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):
     assert result.returncode == 2 and "does not match .carry/fa4a/SHA256SUMS" in result.stderr
 
 
+def test_fa4_wheels_recut_sizes_the_first_part_to_the_tracked_files(tmp_path):
+    """FA4_RECUT=1 joins the two parts, checks them against SHA256SUMS and cuts them again so the
+    first call (tracked files + .carry/fa4a + .carry/tiktoken) stays at 62.5 MiB; parts that do
+    not match their SHA256SUMS are exit 2, and the old parts stay."""
+    import hashlib
+
+    (tmp_path / "scripts" / "gpu").mkdir(parents=True)
+    (tmp_path / "scripts" / "gpu" / "fa4_wheels.sh").write_text((GPU / "fa4_wheels.sh").read_text())
+    (tmp_path / ".gitignore").write_text(".carry/\n")
+    (tmp_path / "big.bin").write_bytes(b"")
+    tiktoken = tmp_path / ".carry" / "tiktoken"
+    tiktoken.mkdir(parents=True)
+    (tiktoken / "gpt2").write_bytes(b"t" * 1000)
+    _fake_fa4_carry(tmp_path)
+    blob = (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").read_bytes() + \
+        (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").read_bytes()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    tracked = 62 * 2**20 + 2**19 - 1000 - 300  # first part: 300 bytes after the tiktoken carry's 1000
+    other = sum(len(p.read_bytes()) for p in (tmp_path / ".gitignore", tmp_path / "scripts/gpu/fa4_wheels.sh"))
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(tracked - other)
+    subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+
+    def recut():
+        return subprocess.run(["bash", "scripts/gpu/fa4_wheels.sh"], cwd=tmp_path, capture_output=True,
+                              text=True, env={"PATH": "/usr/bin:/bin", "FA4_RECUT": "1"})
+
+    result = recut()
+    assert result.returncode == 0, result.stdout + result.stderr
+    part0 = (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").read_bytes()
+    part1 = (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").read_bytes()
+    assert len(part0) == 300 and part0 + part1 == blob
+    assert hashlib.sha256(blob).hexdigest() in (tmp_path / ".carry/fa4a/SHA256SUMS").read_text()
+    assert (tmp_path / ".carry/fa4a/PINS").read_text() == "flash-attn-4==stand-in\n"
+    (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").write_bytes(part1 + b"x")
+    result = recut()
+    assert result.returncode == 2 and "do not match .carry/fa4a/SHA256SUMS" in result.stderr
+    assert (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").read_bytes() == part0
+
+
 def test_choose_then_vs_record_settings_parse(tmp_path):
     """scripts/gpu/choose_then_vs_record.sh's fast set, with the candidate the next lease tries
     (train.qk_norm_rope=triton), as bench/step.py reads them; and its compare mode's choice from the
