@@ -21,8 +21,16 @@ Output, per stage S in --stages and graphs variant on/off:
     host_issue_ms                variants[g].host_issue_ms.median_ms: the host's time to issue a
                                  step; at or above step_ms the host is the bottleneck
     gpu_busy                     variants[g].gpu_busy: the busy share of the device's timeline in
-                                 a torch.profiler window of 2 steps (bench/step.py); null when
-                                 the bench ran without --profile
+                                 bench/step.py's torch.profiler window (--profile-steps steps,
+                                 host_bound.sh: 8); null when the bench ran without --profile
+    gpu_busy_timed               variants[g].device_busy_ms_per_step / step_ms.mean_ms: the
+                                 window's busy device time per step over the timed steps' mean
+                                 step (no profiler there). The profiler's per-launch cost slows an
+                                 eager step inside its window (~600 launches at A), so gpu_busy
+                                 understates graphs off; this estimate leaves that cost out. It
+                                 assumes the window's steps are like the timed ones (a window of
+                                 an even number of steps has both parities equally, the timed
+                                 ones within one step of it); null without a profile
     host_syncs_per_step          variants[g].host_syncs_per_step (sync debug mode counts; null
                                  on CPU)
   stages.S.on_over_off: step_ms_median, step_ms_mean and host_issue_ms, graphs on / graphs off
@@ -61,6 +69,7 @@ def variant(bench: StepBench, graphs: str) -> dict:
                                   for parity in ("even", "odd")},
             "host_issue_ms": dig(row, "host_issue_ms", "median_ms"),
             "gpu_busy": row.get("gpu_busy"),
+            "gpu_busy_timed": ratio(row.get("device_busy_ms_per_step"), dig(row, "step_ms", "mean_ms")),
             "host_syncs_per_step": row.get("host_syncs_per_step")}
 
 

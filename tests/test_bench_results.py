@@ -256,11 +256,13 @@ def test_host_bound_maps_each_field_and_the_on_off_ratio(tmp_path):
     a = out["stages"]["A"]
     assert a["graphs_on"] == {"step_ms": {"median": 35.0, "p10": 34.0, "p90": 36.0, "mean": 36.0},
                               "step_ms_by_parity": {"even": 34.0, "odd": 38.0}, "host_issue_ms": 20.0,
-                              "gpu_busy": pytest.approx(272.4 / 35.0), "host_syncs_per_step": 0.0}
+                              "gpu_busy": pytest.approx(272.4 / 35.0),
+                              # the window's busy device ms per step over the timed mean step
+                              "gpu_busy_timed": pytest.approx(272.4 / 36.0), "host_syncs_per_step": 0.0}
     # graphs off ran without the profiler here: no gpu_busy
     assert a["graphs_off"] == {"step_ms": {"median": 50.0, "p10": 48.0, "p90": 52.0, "mean": 51.5},
                                "step_ms_by_parity": {"even": 49.0, "odd": 54.0}, "host_issue_ms": 40.0,
-                               "gpu_busy": None, "host_syncs_per_step": 2.0}
+                               "gpu_busy": None, "gpu_busy_timed": None, "host_syncs_per_step": 2.0}
     assert a["on_over_off"] == {"step_ms_median": pytest.approx(0.7), "step_ms_mean": pytest.approx(36.0 / 51.5),
                                 "host_issue_ms": pytest.approx(0.5)}
     assert out["stages"]["C"]["on_over_off"]["step_ms_median"] == pytest.approx(105.0 / 106.0)
