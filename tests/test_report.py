@@ -140,3 +140,38 @@ def test_record_curve_reader_refuses_our_metrics_and_other_files(tmp_path):
         report.read_record_val_curve(warm.parent)
     with pytest.raises(ValueError, match="does not exist"):
         report.read_record_val_curve(tmp_path / "none.jsonl")
+
+
+def test_git_tree_names_the_files_as_they_are_even_where_git_is_older(tmp_path):
+    """A copied working tree whose .git lags: git_tree names the files that are there, git_revision
+    the stale commit; after committing them, the tree equals that commit's ^{tree}."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "HEAD")
+    assert report.git_tree(tmp_path) == git("rev-parse", "HEAD^{tree}")
+
+    (tmp_path / "a.py").write_text("x = 2\n")     # the carried files move on, .git does not
+    (tmp_path / "b.py").write_text("y = 1\n")     # a new file, untracked there
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big.bin").write_text("not code\n")
+    moved = report.git_tree(tmp_path)
+    assert moved != git("rev-parse", "HEAD^{tree}")
+    assert report.git_revision(tmp_path) == first + "-dirty"
+    assert git("status", "--porcelain") != ""                     # own index untouched
+    assert "b.py" not in git("ls-files")
+
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert moved == git("rev-parse", "HEAD^{tree}")
+    assert report.git_tree(tmp_path / "nowhere") == "unknown"

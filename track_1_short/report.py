@@ -13,8 +13,10 @@ Only rank 0 writes. Nothing here touches the GPU; the trainer passes plain numbe
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +33,27 @@ def git_revision(repo: Path | None = None) -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return (rev + ("-dirty" if dirty else "")) or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def git_tree(repo: Path | None = None) -> str:
+    """The git tree hash of the checkout's files as they are (tracked and untracked, not ignored).
+
+    It names the code that ran even where the checkout's .git is older than its files (a copied
+    working tree): it equals `git rev-parse <commit>^{tree}` of the commit holding those files. The
+    checkout's own index is left alone (a temporary index is used). 'unknown' outside git.
+    """
+    repo = repo or Path(__file__).resolve().parents[1]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = os.environ | {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            for args in (["add", "-A", "."], ["write-tree"]):
+                out = subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True,
+                                     text=True, timeout=60)
+                if out.returncode != 0:
+                    return "unknown"
+            return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
