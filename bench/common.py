@@ -40,7 +40,7 @@ from track_1_short.model.gpt import ForwardScheduleConfig
 from track_1_short.model.gpt_config import GPTConfig
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.perf import profiling
-from track_1_short.report import git_revision, git_tree
+from track_1_short.report import code_identity
 from track_1_short.schedule import SPEEDRUN_STAGES
 
 DOC_MEDIAN_TOKENS = 400  # lognormal(ln 400, 1.0): mean ~660 GPT-2 tokens, about FineWeb's
@@ -305,8 +305,7 @@ def machine_info(device: torch.device) -> dict:
         triton_version = None
     info = {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
             "python": platform.python_version(), "host": platform.node(),
-            "cpu_count": os.cpu_count(), "git_revision": git_revision(), "git_tree": git_tree(),
-            "device": str(device),
+            "cpu_count": os.cpu_count(), **code_identity(), "device": str(device),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -58,6 +58,11 @@ def git_tree(repo: Path | None = None) -> str:
         return "unknown"
 
 
+def code_identity() -> dict[str, str]:
+    """What every results file says about the code that wrote it: the commit and the files' tree."""
+    return {"git_revision": git_revision(), "git_tree": git_tree()}
+
+
 @dataclass(slots=True)
 class MetricsLog:
     """Append-only `metrics.jsonl` of one run (rank 0 only; other ranks get enabled=False)."""

@@ -31,7 +31,7 @@ def run_facts(run: Run) -> dict:
     """What every run report starts with (summary.json and warmup.json)."""
     cfg, ctx, log = run.spec.cfg, run.spec.ctx, run.log
     return {
-        "preset": cfg.preset, "git_revision": report.git_revision(), "git_tree": report.git_tree(),
+        "preset": cfg.preset, **report.code_identity(),
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
         "world_size": ctx.world_size, "micro_steps": run.spec.micro_steps, "warmup_s": log.warmup_s,
         "wall_s": time.perf_counter() - log.started, "compiles": dict(log.compiles),
