@@ -7,7 +7,8 @@ one optimizer at a time over the same model):
   only) and odd steps (banks + Adam: the preset schedule's plan.adam_step), median and spread over --steps timed steps after --warmup untimed ones (the compiled
   mode compiles during the warmup: it spans an even and an odd step);
 - unit_ms: each unit of work alone, no comms: every bank's anvil_bank_step_ on this rank's shard,
-  every table's adam_step_ and the small-parameter group's adam_group_step_;
+  every table's adam_step_, the small-parameter group's adam_group_step_ and, while tied, the
+  gradient fold (tied_fold) and the weight copy (tied_copy);
 - compiles: dynamo graphs compiled during the warmup and during the timed steps (must be 0: the
   per-step values are tensor inputs, so changing lr / momentum recompiles nothing);
 - with world size > 1: the collectives of an even and of an odd step alone (no math), and how much
@@ -206,6 +207,17 @@ def measure_units(opt: AnvilAndAdam, timer: Timer, reps: int) -> dict:
     if opt.adam_group:
         gs = [torch.randn_like(a.exp_avg).to(a.param.dtype) for a in opt.adam_group]
         out["adam_group"] = timed(lambda: opt._update_group(gs), [len(gs)])
+    if opt.tied:
+        embed, head = opt.tied
+        # the fold of an Adam step and the copy after it (the grad buffer's zeroing included)
+        head_grad = torch.randn(head.param.shape, device=head.param.device)
+        embed_grad = opt.grad_buffers.get(embed.param)
+        if embed_grad is None:
+            embed_grad = torch.randn(embed.param.shape, device=head_grad.device)
+        out["tied_fold"] = timed(lambda: opt._fold_tied_grad(head_grad, embed_grad, True),
+                                 head_grad.shape)
+        out["tied_copy"] = timed(lambda: opt._copy_transposed(embed.param.data, head.param.data),
+                                 embed.param.shape)
     return out
 
 

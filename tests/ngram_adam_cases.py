@@ -90,14 +90,41 @@ def test_event_kernel_equals_the_reference(micro_steps, update, wd):
         assert int(kernel.num_updates) == event + 1
 
 
+def test_lazy_event_lists_every_touched_row_once_across_programs():
+    """The listing pass over several programs (111 rows, 16 flags each) reserves disjoint slots:
+    the listed rows are exactly the touched ones; the persistent pass (3 programs, 4-row tiles,
+    so each program loops) moves exactly those rows and clears their flags and accumulator."""
+    store = _store(True, 1)
+    g = torch.Generator().manual_seed(7)
+    touched = torch.rand(store.cfg.num_rows, generator=g) < 0.6  # ~67 rows: 17 tiles
+    store.touched.copy_(touched.int())
+    store.grad_acc[touched] = torch.randn(int(touched.sum()), R, generator=g)
+    store.num_updates.fill_(1)
+    before = store.table.clone()
+    sparse_adam_rows(store.table, store.exp_avg, store.exp_avg_sq, store.grad_acc, store.touched,
+                     store.num_updates, store.event_rows, store.event_count, lr=0.1, beta1=0.9,
+                     beta2=0.99, eps=1e-8)
+    count = int(store.event_count)
+    assert count == int(touched.sum()) > 3 * 4 * 2  # more tiles than two rounds of 3 programs
+    listed = store.event_rows[:count].long()
+    assert torch.equal(listed.sort().values, touched.nonzero().squeeze(1))
+    moved = (store.table != before).any(1)
+    assert torch.equal(moved, touched)
+    assert not store.touched.any() and not store.grad_acc.any()
+
+
 def test_kernel_input_errors_name_the_argument():
     store = _store(True, 1)
     args = [store.table, store.exp_avg, store.exp_avg_sq, store.grad_acc, store.touched,
-            store.num_updates]
+            store.num_updates, store.event_rows, store.event_count]
     kw = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8)
-    with pytest.raises(ValueError, match="touched must be int32"):
-        sparse_adam_rows(*args[:4], store.touched.long(), args[5], **kw)
+    with pytest.raises(ValueError, match="touched must be a contiguous int32"):
+        sparse_adam_rows(*args[:4], store.touched.long(), *args[5:], **kw)
     with pytest.raises(ValueError, match="acc .* shaped like the table"):
         sparse_adam_rows(*args[:3], store.grad_acc[:-1], *args[4:], **kw)
     with pytest.raises(ValueError, match="must be float32"):
         sparse_adam_rows(args[0], store.exp_avg.double(), *args[2:], **kw)
+    with pytest.raises(ValueError, match="row_list must be a contiguous int32"):
+        sparse_adam_rows(*args[:6], store.event_rows[:-1], args[7], **kw)
+    with pytest.raises(ValueError, match="row_count must be a contiguous int32 \\[1\\]"):
+        sparse_adam_rows(*args[:7], store.event_count.long(), **kw)

@@ -5,7 +5,7 @@ float64 references of tests/test_anvil_math.py over several steps (state carried
 rounding, grad-buffer zeroing); the compiled optimizer (aot_eager backend: dynamo + AOTAutograd,
 the graphs inductor would get) against the eager one over steps with changing lr and momentum,
 the tie and the untie, with no recompile after each graph's first step; the inductor (C++) build of
-the two step functions against eager (`slow`, ~30 s); StepValues; the compile default; the bank
+the bank and Adam step functions and the tied fold and copy against eager (`slow`, ~50 s); StepValues; the compile default; the bank
 shard arithmetic at world sizes 1, 2, 4, 8 on the speedrun's mlp_bank matrix count.
 Hardware: CPU only (~45 s with the slow test). Run: `.venv/bin/python -m pytest tests/test_anvil_fused.py -q`.
 GPU twin: tests/test_anvil_gpu.py.
@@ -155,14 +155,15 @@ def test_compiled_optimizer_matches_eager_without_recompiles(dtype):
     start = graphs_compiled()
     counts = _run(compiled_model, compiled, range(10), seed=24, untie_after=3)
     # graphs: step 0 the banks (wide qk and square vo differ, tall mlp), step 1 the Adam group,
-    # lm_head and value_embeds, step 5 (first Adam step after the untie) embed; none after
-    assert [c - start for c in counts] == [3, 6, 6, 6, 6, 7, 7, 7, 7, 7], counts
+    # lm_head, value_embeds and the tied fold and copy, step 5 (first Adam step after the untie)
+    # embed; none after
+    assert [c - start for c in counts] == [3, 8, 8, 8, 8, 9, 9, 9, 9, 9], counts
     assert [t.data_ptr() for _, t in compiled.named_state_tensors()] == ptrs
     for (name, p), q in zip(eager_model.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.slow  # ~30 s on 2 busy cores: two inductor C++ builds
+@pytest.mark.slow  # ~50 s on 2 busy cores: four inductor C++ builds
 def test_inductor_step_functions_match_eager():
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(25)
@@ -174,7 +175,11 @@ def test_inductor_step_functions_match_eager():
     for fn, args, extra in ((anvil_math.anvil_bank_step_, bank,
                              (torch.ones(2, 1, 1), torch.tensor([0.9, 0.02, 0.024]), 0.9,
                               torch.float32, POLAR_EXPRESS_COEFFS)),
-                            (anvil_math.adam_step_, table, ())):
+                            (anvil_math.adam_step_, table, ()),
+                            (anvil_math.fold_tied_grad_, [torch.randn(6, 9, generator=gen),
+                                                          torch.randn(9, 6, generator=gen), True], ()),
+                            (anvil_math.copy_transposed_, [torch.zeros(9, 6, dtype=BF16),
+                                                           torch.randn(6, 9, generator=gen).to(BF16)], ())):
         twin = [a.clone() if torch.is_tensor(a) else a for a in args]
         compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend="inductor")
         for _ in range(2):  # state carried: the second call reads the first one's moments

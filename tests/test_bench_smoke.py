@@ -1,5 +1,6 @@
 """Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py, bench/optimizer.py and
-bench/loss_kernel.py, bench/step.py and bench/ngram_hold.py, so they do not rot.
+bench/loss_kernel.py, bench/step.py, bench/ngram_hold.py and bench/ngram_event.py, so they do not
+rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
 tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
@@ -66,6 +67,21 @@ def test_ngram_hold_bench_smoke(tmp_path):
     assert 0 < data["distinct_rows_per_micro_step"] <= 2 * 64 <= data["rows"]
 
 
+def test_ngram_event_bench_smoke(tmp_path):
+    out = tmp_path / "event.json"
+    _run("ngram_event.py", "--events", "3", "--held", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert "--smoke" in data["command"] and data["held_micro_steps"] == 2
+    assert list(data["variants"]) == ["reference"]  # the kernels need CUDA
+    ref = data["variants"]["reference"]
+    assert ref["event_ms"]["n"] == 3 and ref["event_ms"]["median_ms"] > 0
+    assert 0 < data["touched_rows"] <= 2 * 2 * 64 and ref["max_abs_diff_vs_first"] == 0.0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    bad = subprocess.run([sys.executable, "bench/ngram_event.py", "--smoke", "--baseline-kernel",
+                          "x.py", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--baseline-kernel needs a CUDA GPU" in bad.stderr
+
+
 def test_step_graphs_bench_smoke(tmp_path):
     out, model_out = tmp_path / "sg.json", tmp_path / "sg_model.json"
     _run("step_graphs.py", "--out", str(out), "--also-model-json", str(model_out))
@@ -89,17 +105,20 @@ def test_step_graphs_bench_smoke(tmp_path):
     assert "eager variant" in model["source"]
 
 
-def test_optimizer_bench_smoke(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_optimizer_bench_smoke(tmp_path, tied):
     out = tmp_path / "opt.json"
-    _run("optimizer.py", "--untied", "--warmup", "2", "--steps", "4", "--out", str(out))
+    _run("optimizer.py", *([] if tied else ["--untied"]), "--warmup", "2", "--steps", "4",
+         "--out", str(out))
     data = json.loads(out.read_text())
     assert data["complete"] and "--smoke" in data["command"] and not data["errors"]
     assert set(data["modes"]) == {"off", "on"} and data["shapes"]["mlp_bank"] == [8, 2, 512, 128]
     for mode, row in data["modes"].items():
         assert row["compiled"] == (mode == "on") and row["compiles"]["timed"] == 0
         assert {k: r["n"] for k, r in row["step_ms"].items()} == {"even": 2, "odd": 2}
-        assert set(row["unit_ms"]) == {"qk_bank", "vo_bank", "mlp_bank", "embed.weight", "lm_head",
-                                       "value_embeds.weight", "adam_group"}
+        tables = {"lm_head", "tied_fold", "tied_copy"} if tied else {"embed.weight", "lm_head"}
+        assert set(row["unit_ms"]) == {"qk_bank", "vo_bank", "mlp_bank", "value_embeds.weight",
+                                       "adam_group", *tables}
         assert all(r["median_ms"] > 0 for r in [*row["step_ms"].values(), *row["unit_ms"].values()])
     assert data["modes"]["on"]["compiles"]["warmup"] > 0
     assert set(data["compiled_over_eager"]) == {"even", "odd"}

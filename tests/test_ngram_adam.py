@@ -20,7 +20,7 @@ from track_1_short.model.ngram_config import NgramConfig  # noqa: E402
 from track_1_short.model.ngram_lookup import NgramLookup  # noqa: E402
 from track_1_short.perf.ngram_store import NgramStore  # noqa: E402
 
-NUM_CASES = 8  # tests in ngram_adam_cases.py (parametrizations included)
+NUM_CASES = 9  # tests in ngram_adam_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():
@@ -35,7 +35,8 @@ def test_cpu_store_runs_the_reference_and_a_cpu_kernel_call_is_an_error():
         pytest.skip("this process imported triton with TRITON_INTERPRET=1")
     with pytest.raises(ValueError, match="runs on CUDA"):
         ngram_adam.sparse_adam_rows(store.table, store.exp_avg, store.exp_avg_sq, store.grad_acc,
-                                    store.touched, store.num_updates, lr=0.1, beta1=0.9,
+                                    store.touched, store.num_updates, store.event_rows,
+                                    store.event_count, lr=0.1, beta1=0.9,
                                     beta2=0.99, eps=1e-8)
     ids = store.lookup.row_ids(torch.arange(8, dtype=torch.int32))
     store.hold(torch.ones(16, 8), ids)

@@ -52,11 +52,12 @@ Step phases and comm overlap (facts 4.2 "Ordering"; `run_step()` below):
 4. wait the gathers (lm_head first, so embed <- lm_head.T copies while the rest finish).
 The step graphs are not involved: optimizer kernels and collectives run on the current stream.
 
-Compiled (AnvilConfig.compile; on by default for CUDA parameters): anvil_math's three step
+Compiled (AnvilConfig.compile; on by default for CUDA parameters): anvil_math's five step
 functions are wrapped in torch.compile(dynamic=False, fullgraph=True). Per-step values are inputs
 (StepValues), so the graphs are one per bank shard shape (3), one per table (embed, lm_head,
-value_embeds) and one for the small-parameter group, compiled at the first even and first Adam
-step (embed's at the first Adam step after the untie) and never again: within dynamo's default
+value_embeds), one for the small-parameter group and, while tied, the gradient fold and the
+weight copy, compiled at the first even and first Adam step (embed's at the first Adam step after
+the untie) and never again: within dynamo's default
 recompile_limit (8 per function), whatever the caller sets. Off on CPU by default: inductor's C++
 build costs ~10 s per graph on the 2-core test machine, more than the cpu-tiny run spends in the
 optimizer.
@@ -199,6 +200,8 @@ class AnvilAndAdam:
         self._bank_step, self._adam_step, self._adam_group_step = (
             wrap(anvil_math.anvil_bank_step_), wrap(anvil_math.adam_step_),
             wrap(anvil_math.adam_group_step_))
+        self._fold_tied_grad, self._copy_transposed = (wrap(anvil_math.fold_tied_grad_),
+                                                       wrap(anvil_math.copy_transposed_))
         self.banks = [self._bank(p, names[p], c) for p, c in param_cfgs.items() if c.optim == ANVIL]
         adam = [self._adam(p, names[p], c) for p, c in param_cfgs.items() if c.optim == ADAM]
         self.adam_by_param = {a.param: a for a in adam}
@@ -367,10 +370,9 @@ class AnvilAndAdam:
             return pending
         if self.tied:
             embed, head = self.tied
-            self._grad(head, step).add_(self._grad(embed, step).T)
-            buffer = self.grad_buffers.get(embed.param)
-            if buffer is not None:
-                buffer.zero_()  # consumed into lm_head's: the owner accumulates afresh
+            # a grad buffer is consumed into lm_head's and zeroed: the owner accumulates afresh
+            self._fold_tied_grad(self._grad(head, step), self._grad(embed, step),
+                                 embed.param in self.grad_buffers)
         for a in self.adam_group + self.adam_tables:
             if self.tied and a is self.tied[0]:
                 continue
@@ -455,9 +457,9 @@ class AnvilAndAdam:
             if isinstance(owner, AdamShard) and owner.gathered is not None:
                 owner.param.data.copy_(owner.gathered[:owner.param.size(0)])
             if owner is head:
-                self.tied[0].param.data.copy_(head.param.data.T)
+                self._copy_transposed(self.tied[0].param.data, head.param.data)
         if head is not None and not head.sharded:
-            self.tied[0].param.data.copy_(head.param.data.T)
+            self._copy_transposed(self.tied[0].param.data, head.param.data)
 
     # ---- untie, reset, state ----
 

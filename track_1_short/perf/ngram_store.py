@@ -52,9 +52,10 @@ micro-step of a (non-final) event step. A hold past it is a RuntimeError: an eve
 Update event (`update_event(step, lr_scale)`, collective, on the schedule's `ngram_event` steps
 after the optimizer): SparseAdam's formula on the touched rows, with the accumulated gradient
 (NgramConfig.update "dense": on every row, a zero gradient where untouched, as HEAD's dense Adam).
-- W = 1 on CUDA: one Triton kernel (kernels/ngram_adam.py) over all rows that skips the untouched
-  ones, reads the step count on the device and zeroes the accumulator behind itself: no host
-  sync, no data-dependent shape.
+- W = 1 on CUDA: two Triton kernels (kernels/ngram_adam.py): one lists the touched rows into a
+  fixed-capacity scratch (`event_rows`, its count `event_count` on the device), a persistent one
+  runs Adam on the listed rows, reads the step count on the device and zeroes the accumulator
+  behind itself: no host sync, no data-dependent shape.
 - Otherwise (`_event_reference`; the CPU, every W > 1, and the kernel's parity reference): the
   touched rows are listed (nonzero, a host sync), gathered, and for W > 1 sent to their owners
   (all_to_all_single of counts, ids, rows); the owner sums the contributions of all ranks and
@@ -194,6 +195,11 @@ class NgramStore(nn.Module):
         self.register_buffer("grad_acc", torch.zeros(rows_dim, dtype=state_dtype, device=device),
                              persistent=False)
         self.register_buffer("touched", torch.zeros(cfg.num_rows, dtype=torch.int32, device=device),
+                             persistent=False)
+        # The event kernel's scratch (its touched rows listed [ROWS] and their count [1]).
+        self.register_buffer("event_rows", torch.zeros(cfg.num_rows, dtype=torch.int32, device=device),
+                             persistent=False)
+        self.register_buffer("event_count", torch.zeros(1, dtype=torch.int32, device=device),
                              persistent=False)
         self.pending = 0  # micro-step gradients in grad_acc since the last event
         # The event's kernel on one CUDA rank (kernels/ngram_adam.py; Triton is imported only on
@@ -393,8 +399,8 @@ class NgramStore(nn.Module):
     @torch.no_grad()
     def update_event(self, step: int, lr_scale: float = 1.0):
         """Sparse (lazy) Adam on the rows touched since the last event (collective when W > 1: the
-        row gradients go to their owners first). On one CUDA rank one kernel, no host sync
-        (kernels/ngram_adam.py). The row cache is not refreshed: slots_for refills it from the
+        row gradients go to their owners first). On one CUDA rank two kernels (list the touched rows,
+        Adam on them; kernels/ngram_adam.py), no host sync. The row cache is not refreshed: slots_for refills it from the
         table before every forward."""
         if not self.pending:
             raise RuntimeError(f"step {step}: n-gram update event with no held gradients")
@@ -403,8 +409,9 @@ class NgramStore(nn.Module):
             cfg = self.cfg
             lr, eff_wd = self._lr_and_decay(lr_scale)
             self.event_kernel(self.table, self.exp_avg, self.exp_avg_sq, self.grad_acc, self.touched,
-                              self.num_updates, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                              eff_wd=eff_wd, dense=cfg.update == "dense")
+                              self.num_updates, self.event_rows, self.event_count, lr=lr,
+                              beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, eff_wd=eff_wd,
+                              dense=cfg.update == "dense")
         else:
             self._event_reference(lr_scale)
         self.pending = 0
