@@ -6,8 +6,11 @@ What it measures (one process, one GPU, CUDA events around update_event, median 
 --events events): with the speedrun's NgramConfig (754,560 rows x 768, float32), each event applies
 --held micro-batches of T tokens (the stage's tokens per rank; default 2: stage A's cycle of 2
 steps of one micro-step, the 8-GPU run's per-rank regime) held with NgramStore.hold; the hold runs
-before each event, outside the timing. Every variant has its own store from the same initial
-table and sees the same held gradients, so their tables must agree: `max_abs_diff_vs_first` (against the first variant, `kernel` on
+before each event, outside the timing, into the first variant's store, whose accumulator and
+touched flags are then copied into the others' (as tests/test_ngram_adam_gpu.py does: index_add_'s
+float32 atomics sum in no fixed order, and Adam turns a near-zero sum's sign into a full lr step,
+NgramConfig.lr 0.6, so separately held stores drift apart by whole steps). Every variant has its
+own store from the same initial table, events interleaved, so their tables must agree: `max_abs_diff_vs_first` (against the first variant, `kernel` on
 CUDA) is reported for each (0.0 expected between two kernels of the same math, float32 rounding for the
 reference). Also the touched rows per event and the bytes the lazy update must move (9 float32
 row passes per touched row: read acc, m, v, table; write m, v, table, acc; the flags) as GB/s.
@@ -96,19 +99,26 @@ def measure(args) -> dict:
               "variants": {}}
     moved_gb = result["touched_rows"] * cfg.dim * 4 * ROW_PASSES / 1e9
     cuda = device.type == "cuda"
-    for name, store in stores.items():
-        times = []
-        for event in range(args.events + 1):  # event 0 untimed: compilation, first loads
-            for i, g in zip(ids, grads):
-                store.hold(g, i)
+    source = next(iter(stores.values()))
+    times = {name: [] for name in stores}
+    for event in range(args.events + 1):  # event 0 untimed: compilation, first loads
+        for i, g in zip(ids, grads):
+            source.hold(g, i)
+        for store in stores.values():  # the same sums for every variant (module docstring)
+            if store is not source:
+                store.grad_acc.copy_(source.grad_acc)
+                store.touched.copy_(source.touched)
+                store.pending = source.pending
+        for name, store in stores.items():
             common.sync(device)
             start = common._mark(cuda)
             store.update_event(event, 1.0)
             end = common._mark(cuda)
             common.sync(device)
             if event:
-                times.append(common._elapsed(start, end, cuda))
-        stats = common.summarize(times)
+                times[name].append(common._elapsed(start, end, cuda))
+    for name, ms in times.items():
+        stats = common.summarize(ms)
         result["variants"][name] = {"event_ms": stats,
                                     "gb_per_s": round(moved_gb / (stats["median_ms"] / 1e3), 1)}
     first = stores[next(iter(stores))].table
