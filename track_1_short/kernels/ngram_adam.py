@@ -1,6 +1,14 @@
-"""The n-gram table's update event as one Triton kernel: lazy (sparse) Adam on every touched row
-of a dense gradient accumulator, which it zeroes behind itself. No host sync, no data-dependent
-shape: the kernel reads the touched flags and the Adam step count on the device.
+"""The n-gram table's update event in Triton: lazy (sparse) Adam on every touched row of a dense
+gradient accumulator, which it zeroes behind itself. No host sync, no data-dependent shape: the
+kernels read the touched flags, the listed rows' count and the Adam step count on the device.
+
+Lazy event, two kernels: `_list_touched` (one program per BF flags) appends the touched rows to
+the caller's fixed-capacity `row_list` [N] (each program reserves its slots with one atomic add on
+`row_count`, so the list's order across programs is arbitrary; every row's update is independent,
+so the result is not) and clears their flags; `_adam_listed_rows`, a persistent grid (SMs x
+PROGRAMS_PER_SM programs, each looping over tiles of BR listed rows), runs the math below on the
+listed rows only. Dense event (`dense=True`): `_adam_all_rows`, one program per BR rows of the
+table. All three share `_adam_tile` (the row math) and `_step_size`.
 
 What it replaces: NgramStore's reference event (perf/ngram_store.py `_event_reference`, the slow
 path kept for the CPU, for W > 1 and for the parity tests): `touched.nonzero()` (a host sync),
@@ -16,27 +24,29 @@ event's increment, lr = NgramConfig.lr x the step's lr multiplier):
     u = m[r] / (sqrt(v[r]) + eps) * step_size            (eps before bias correction: SparseAdam)
     table[r] -= u + (u * table[r] > 0) * eff_wd * table[r]   (cautious decay; eff_wd = lr^2 wd)
     acc[r] = 0, touched[r] = 0
-Rows with touched[r] == 0 keep their moments (lazy Adam: only rows in the gradient move). The
-kernel's masked loads and stores skip them, so an untouched row costs one 4-byte flag read.
+Rows with touched[r] == 0 keep their moments (lazy Adam: only rows in the gradient move); an
+untouched row costs one 4-byte flag read in the listing pass.
 `dense=True` (NgramConfig.update "dense"): every row, g = 0 where untouched (dense Adam: a row's
 momentum keeps moving it after its last touch; a row never touched has m = v = 0 and stays
 bit-equal), at the cost of reading and writing the whole table and state.
 
-Cost at stage C on one GPU (16 held micro-steps, ~480k touched of 754,560 rows, R = 768, float32):
-per touched row read acc, m, v, table and write all four plus the zeroed acc: ~28 KB, ~13 GB per
-event; the floor at ~4 TB/s is ~3.3 ms. Measured on one H200 (docs/results/README.md, 2026-12-01,
-fifth lease): 3.06 ms per event in the real stage-C step (bench/step.py), 3.86 ms with 70.5% of
-the rows touched in tests/test_ngram_adam_gpu.py (the reference path: 19.19 ms); it was 28.3 ms
-before (unique, cat, eager SparseAdam, two host syncs and a cache refresh).
+Cost: per touched row read acc, m, v, table and write all four plus the zeroed acc (~28 KB at
+R = 768, float32). Measured on one H100 (docs/results/ngram_event_tied_2026-12-07/, bench/ngram_event.py,
+same process): stage A's event (2 held micro-steps of 16,384 tokens, 41k of 754,560 rows touched)
+0.53 ms, against 1.31 ms for the one-kernel form this replaced (one program per 4 rows over the
+whole table, most with nothing to do) and 2.53 ms for the reference; with 394k rows touched (stage
+C, 16 held) 3.59 ms against 3.71 ms (~3 TB/s, the card's bandwidth). Before the one-kernel form
+the event took 28.3 ms at stage C on the H200 (unique, cat, eager SparseAdam, two host syncs).
 
 What must stay stable: nothing is owned here; every buffer is the caller's and is updated in
-place (capture-safe: no allocation, no host read). Compiles once per (dtypes, R) at the first call.
+place (capture-safe: no allocation, no host read; NgramStore owns the scratch, `event_rows` and
+`event_count`). Compiles once per (dtypes, R) at the first call.
 
 CPU: like kernels/softcap_ce.py, the kernel runs on CPU tensors only in the Triton interpreter
 (TRITON_INTERPRET=1 set before triton is imported); tests/ngram_adam_cases.py runs that way in its
 own process (through tests/test_ngram_adam.py). Otherwise a CPU call is a ValueError.
 
-Legend: N table rows (this rank's), R row width, BR rows per program.
+Legend: N table rows (this rank's), R row width, BR rows per tile, BF flags per listing program.
 """
 
 from __future__ import annotations
