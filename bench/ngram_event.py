@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.ngram_hold import UsageError, tokens
-from track_1_short import atomic_io
+from bench.ngram_hold import UsageError, measure_and_write, tokens
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.perf.ngram_store import NgramStore
@@ -141,17 +140,9 @@ def main(argv=None) -> int:
         if value < 1:
             print(f"bench/ngram_event.py: {flag} {value} must be >= 1", file=sys.stderr)
             return 2
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/ngram_event.py: needs a CUDA GPU; on the CPU run it with --smoke", file=sys.stderr)
+    result = measure_and_write("bench/ngram_event.py", args, measure)
+    if result is None:
         return 2
-    try:
-        measured = measure(args)
-    except UsageError as e:
-        print(f"bench/ngram_event.py: {e}", file=sys.stderr)
-        return 2
-    result = {"command": common.command(), "machine": common.machine_info(device), **measured}
-    atomic_io.write_json_atomic(Path(args.out), result)
     print(f"stage {result['stage']}: {result['touched_rows']} of {result['rows']} rows touched")
     first = next(iter(result["variants"]))
     for name, v in result["variants"].items():

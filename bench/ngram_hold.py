@@ -108,6 +108,24 @@ def measure(args) -> dict:
     return result
 
 
+def measure_and_write(prog: str, args, measure) -> dict | None:
+    """The n-gram benches' run: CUDA unless args.smoke, measure(args), then the JSON (command,
+    machine, what measure returned) written atomically to args.out and returned; None, after a
+    message naming `prog` on stderr, where the run must exit 2 (no GPU, a UsageError)."""
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU; on the CPU run it with --smoke", file=sys.stderr)
+        return None
+    try:
+        measured = measure(args)
+    except UsageError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+    result = {"command": common.command(), "machine": common.machine_info(device), **measured}
+    atomic_io.write_json_atomic(Path(args.out), result)
+    return result
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", default="C", choices=[s.name for s in SPEEDRUN_STAGES])
@@ -116,17 +134,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny table, synthetic tokens")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench/ngram_hold.py: needs a CUDA GPU; on the CPU run it with --smoke", file=sys.stderr)
+    result = measure_and_write("bench/ngram_hold.py", args, measure)
+    if result is None:
         return 2
-    try:
-        measured = measure(args)
-    except UsageError as e:
-        print(f"bench/ngram_hold.py: {e}", file=sys.stderr)
-        return 2
-    result = {"command": common.command(), "machine": common.machine_info(device), **measured}
-    atomic_io.write_json_atomic(Path(args.out), result)
     for name, stats in result["ops_ms"].items():
         print(f"{name:22s} {stats['median_ms']:8.3f} ms")
     return 0

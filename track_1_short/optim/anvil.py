@@ -57,8 +57,8 @@ functions are wrapped in torch.compile(dynamic=False, fullgraph=True). Per-step 
 (StepValues), so the graphs are one per bank shard shape (3), one per table (embed, lm_head,
 value_embeds), one for the small-parameter group and, while tied, the gradient fold and the
 weight copy, compiled at the first even and first Adam step (embed's at the first Adam step after
-the untie) and never again: within dynamo's default
-recompile_limit (8 per function), whatever the caller sets. Off on CPU by default: inductor's C++
+the untie) and never again: within dynamo's default recompile_limit (8 per function), whatever
+the caller sets. Off on CPU by default: inductor's C++
 build costs ~10 s per graph on the 2-core test machine, more than the cpu-tiny run spends in the
 optimizer.
 
