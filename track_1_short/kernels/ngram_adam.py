@@ -30,12 +30,12 @@ untouched row costs one 4-byte flag read in the listing pass.
 momentum keeps moving it after its last touch; a row never touched has m = v = 0 and stays
 bit-equal), at the cost of reading and writing the whole table and state.
 
-Cost: per touched row read acc, m, v, table and write all four plus the zeroed acc (~28 KB at
-R = 768, float32). Measured on one H100 (docs/results/ngram_event_tied_2026-12-07/, bench/ngram_event.py,
+Cost: per touched row read acc, m, v, table and write m, v, table and the zeroed acc (~24.6 KB
+at R = 768, float32). Measured on one H100 (docs/results/ngram_event_tied_2026-12-07/, bench/ngram_event.py,
 same process): stage A's event (2 held micro-steps of 16,384 tokens, 41k of 754,560 rows touched)
 0.53 ms, against 1.31 ms for the one-kernel form this replaced (one program per 4 rows over the
 whole table, most with nothing to do) and 2.53 ms for the reference; with 394k rows touched (stage
-C, 16 held) 3.59 ms against 3.71 ms (~3 TB/s, the card's bandwidth). Before the one-kernel form
+C, 16 held) 3.59 ms against 3.71 ms (2.7 TB/s, near the card's bandwidth). Before the one-kernel form
 the event took 28.3 ms at stage C on the H200 (unique, cat, eager SparseAdam, two host syncs).
 
 What must stay stable: nothing is owned here; every buffer is the caller's and is updated in
