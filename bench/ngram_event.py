@@ -121,9 +121,8 @@ def measure(args) -> dict:
         stats = common.summarize(ms)
         result["variants"][name] = {"event_ms": stats,
                                     "gb_per_s": round(moved_gb / (stats["median_ms"] / 1e3), 1)}
-    first = stores[next(iter(stores))].table
     for name, store in stores.items():
-        result["variants"][name]["max_abs_diff_vs_first"] = float((store.table - first).abs().max())
+        result["variants"][name]["max_abs_diff_vs_first"] = float((store.table - source.table).abs().max())
     return result
 
 

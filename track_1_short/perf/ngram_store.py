@@ -399,9 +399,9 @@ class NgramStore(nn.Module):
     @torch.no_grad()
     def update_event(self, step: int, lr_scale: float = 1.0):
         """Sparse (lazy) Adam on the rows touched since the last event (collective when W > 1: the
-        row gradients go to their owners first). On one CUDA rank two kernels (list the touched rows,
-        Adam on them; kernels/ngram_adam.py), no host sync. The row cache is not refreshed: slots_for refills it from the
-        table before every forward."""
+        row gradients go to their owners first). On one CUDA rank two kernels (list the touched
+        rows, Adam on them; kernels/ngram_adam.py), no host sync. The row cache is not refreshed:
+        slots_for refills it from the table before every forward."""
         if not self.pending:
             raise RuntimeError(f"step {step}: n-gram update event with no held gradients")
         self.num_updates += 1
