@@ -122,7 +122,8 @@ def measure(args) -> dict:
         result["variants"][name] = {"event_ms": stats,
                                     "gb_per_s": round(moved_gb / (stats["median_ms"] / 1e3), 1)}
     for name, store in stores.items():
-        result["variants"][name]["max_abs_diff_vs_first"] = float((store.table - source.table).abs().max())
+        diff = (store.table - source.table).abs().max()
+        result["variants"][name]["max_abs_diff_vs_first"] = float(diff)
     return result
 
 
