@@ -10,9 +10,9 @@ before each event, outside the timing, into the first variant's store, whose acc
 touched flags are then copied into the others' (as tests/test_ngram_adam_gpu.py does: index_add_'s
 float32 atomics sum in no fixed order, and Adam turns a near-zero sum's sign into a full lr step,
 NgramConfig.lr 0.6, so separately held stores drift apart by whole steps). Every variant has its
-own store from the same initial table, events interleaved, so their tables must agree: `max_abs_diff_vs_first` (against the first variant, `kernel` on
-CUDA) is reported for each (0.0 expected between two kernels of the same math, float32 rounding for the
-reference). Also the touched rows per event and the bytes the lazy update must move (8 float32
+own store from the same initial table, events interleaved, so their tables must agree:
+`max_abs_diff_vs_first` (against the first variant, `kernel` on CUDA) is reported for each (0.0
+expected between two kernels of the same math, float32 rounding for the reference). Also the touched rows per event and the bytes the lazy update must move (8 float32
 row passes per touched row: read acc, m, v, table; write m, v, table and the zeroed acc; the
 4-byte flags left out) as GB/s.
 
