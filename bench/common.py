@@ -327,6 +327,29 @@ class Results:
         write_json_atomic(self.path, self.data)
 
 
+class UsageError(Exception):
+    """A bad flag or input: main() prints it and exits 2."""
+
+
+def measure_and_write(prog: str, args, measure) -> dict | None:
+    """A one-measurement bench's run (the n-gram and kernel benches): CUDA unless args.smoke,
+    measure(args), then the JSON (command, machine, what measure returned) written atomically to
+    args.out and returned; None, after a message naming `prog` on stderr, where the run must exit
+    2 (no GPU, a UsageError)."""
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU; on the CPU run it with --smoke", file=sys.stderr)
+        return None
+    try:
+        measured = measure(args)
+    except UsageError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return None
+    result = {"command": command(), "machine": machine_info(device), **measured}
+    write_json_atomic(Path(args.out), result)
+    return result
+
+
 def run_guarded(label: str, fn, errors: dict) -> object:
     """fn(); on an exception record 'Type: message' (+ traceback tail) under errors[label] and
     return None, so one failing part never aborts the others."""

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.ngram_hold import UsageError, measure_and_write, tokens
+from bench.common import UsageError, measure_and_write
+from bench.ngram_hold import tokens
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
 from track_1_short.perf.ngram_store import NgramStore

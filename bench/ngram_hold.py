@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from bench import common
-from track_1_short import atomic_io
+from bench.common import UsageError, measure_and_write
 from track_1_short.data import DataError, list_shards, read_shard
 from track_1_short.model.ngram_config import NgramConfig
 from track_1_short.model.ngram_lookup import NgramLookup
@@ -42,10 +42,6 @@ from track_1_short.perf.ngram_store import NgramStore
 from track_1_short.schedule import SPEEDRUN_STAGES
 
 MICRO_BATCHES = 8
-
-
-class UsageError(Exception):
-    """A bad flag or input: main() prints it and exits 2."""
 
 
 def tokens(args, count: int) -> np.ndarray:
@@ -105,24 +101,6 @@ def measure(args) -> dict:
     for name, fn in ops.items():
         fn(0)  # first call outside the timing (allocations, kernel loads)
         result["ops_ms"][name] = common.time_steps(fn, args.steps, device)
-    return result
-
-
-def measure_and_write(prog: str, args, measure) -> dict | None:
-    """The n-gram benches' run: CUDA unless args.smoke, measure(args), then the JSON (command,
-    machine, what measure returned) written atomically to args.out and returned; None, after a
-    message naming `prog` on stderr, where the run must exit 2 (no GPU, a UsageError)."""
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"{prog}: needs a CUDA GPU; on the CPU run it with --smoke", file=sys.stderr)
-        return None
-    try:
-        measured = measure(args)
-    except UsageError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return None
-    result = {"command": common.command(), "machine": common.machine_info(device), **measured}
-    atomic_io.write_json_atomic(Path(args.out), result)
     return result
 
 

@@ -25,7 +25,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from track_1_short.kernels.qk_norm_rope import BLOCK_ROWS, interpreted, qk_norm_rope  # noqa: E402
+from track_1_short.kernels import qk_norm_rope as kernel_module  # noqa: E402
+from track_1_short.kernels.qk_norm_rope import Tiling, interpreted, qk_norm_rope  # noqa: E402
 from track_1_short.model.gpt import norm_rotate  # noqa: E402
 from track_1_short.model.yarn import Yarn  # noqa: E402
 from tests.test_model import _batch, _fcfg, _model, _slots  # noqa: E402
@@ -45,8 +46,9 @@ def test_the_interpreter_runs_the_kernels():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_and_gradient_equal_the_torch_path(paired, dtype):
     torch.manual_seed(0)
-    t, h, d = 13, 6, 32  # 78 head rows per output: not a multiple of BLOCK_ROWS
-    assert (t * h) % BLOCK_ROWS
+    t, h, d = 13, 6, 32  # 6 (paired 3) heads: padded rows; 13 (26) positions: a partial block
+    n_pos, grid, meta = kernel_module._launch(torch.empty(t, 2, h, d), paired, Tiling())
+    assert meta["GROUP_PAD"] > meta["GROUP"] and n_pos % meta["BLOCK_POS"]
     yarn = Yarn(head_dim=d, max_position=64, paired=paired)
     yarn.extend_window(16, 48)  # a YaRN-moved table, not the initial one
     qk = (torch.randn(t, 2, h, d) * 3).to(dtype)
@@ -63,6 +65,39 @@ def test_values_and_gradient_equal_the_torch_path(paired, dtype):
         assert torch.allclose(got.float(), ref.float(), **TOL[dtype])
     assert torch.allclose(grads[1].float(), grads[0].float(), **TOL[dtype])
     assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("tiling", [Tiling(row_slots=1, num_warps=1), Tiling(row_slots=8),
+                                    Tiling(row_slots=64, num_warps=8)])
+def test_every_tiling_computes_the_same_rows(paired, tiling):
+    """Forward and backward at other launch shapes (one position per program; positions of
+    padded groups; many positions per program) equal the default tiling bit for bit: a row's
+    math does not depend on its program, so any indexing slip shows as a difference."""
+    torch.manual_seed(1)
+    t, h, d = 11, 6, 16
+    yarn = Yarn(head_dim=d, max_position=32, paired=paired)
+    cos, sin = yarn.head_tables()
+    qk = torch.randn(t, 2, h, d)
+    gq, gk = torch.randn(2, t * h, d)
+    runs = []
+    for launch in (Tiling(), tiling):
+        q, k, rstd = kernel_module._qk_norm_rope_fake(qk, cos, sin, paired)
+        for z in (q, k, rstd):
+            z.fill_(float("nan"))  # a row no program writes stays NaN
+        kernel_module.forward_into(qk, cos, sin, paired, q, k, rstd, launch)
+        dqk = torch.full_like(qk, float("nan"))
+        kernel_module.backward_into(gq, gk, qk, cos, sin, rstd, paired, dqk, launch)
+        runs.append((q, k, rstd, dqk))
+    for ref, got in zip(*runs):
+        assert not got.isnan().any() and torch.equal(got, ref)
+
+
+def test_a_tiling_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="row_slots=3 must be a power of two"):
+        Tiling(row_slots=3)
+    with pytest.raises(ValueError, match="num_warps=0"):
+        Tiling(num_warps=0)
 
 
 def test_the_tiny_gpt_with_the_kernel_equals_the_torch_path():

@@ -1,6 +1,6 @@
 """Smoke tests of the GPU benchmarks bench/model.py, bench/step_graphs.py, bench/optimizer.py and
-bench/loss_kernel.py, bench/step.py, bench/ngram_hold.py and bench/ngram_event.py, so they do not
-rot.
+bench/loss_kernel.py, bench/step.py, bench/ngram_hold.py, bench/ngram_event.py and
+bench/qk_norm_rope.py, so they do not rot.
 
 Scope: both scripts run end to end with --smoke (CPU, GPTConfig.tiny() with a 512-token vocabulary,
 tiny shapes, 2 timed steps, no compile; step_graphs drives the real StepGraphs over the
@@ -10,8 +10,9 @@ command, every key and variant, computed goals and the model JSON from the eager
 optimizer.py (--smoke: the tiny model, compile off and on, the latter on aot_eager) writes even and
 odd step times per mode, every unit's time and no recompile in its timed steps. Plus the
 FLOPs arithmetic and the synthetic batch's packing invariants, checked directly. loss_kernel.py
---smoke runs the fused loss kernel in the Triton interpreter (its process sets TRITON_INTERPRET=1
-before importing triton; needs triton installed).
+and qk_norm_rope.py --smoke run their kernels in the Triton interpreter (the process sets
+TRITON_INTERPRET=1 before importing triton; needs triton installed); qk_norm_rope.py also loads
+this checkout's kernel file as its --baseline-kernel.
 Hardware: CPU; ~30 s on 2 busy cores, plus ~30 s for loss_kernel (marked slow).
 Run: `.venv/bin/python -m pytest tests/test_bench_smoke.py -q`.
 """
@@ -80,6 +81,25 @@ def test_ngram_event_bench_smoke(tmp_path):
     bad = subprocess.run([sys.executable, "bench/ngram_event.py", "--smoke", "--baseline-kernel",
                           "x.py", "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "--baseline-kernel needs a CUDA GPU" in bad.stderr
+
+
+def test_qk_norm_rope_bench_smoke(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "qk.json"
+    _run("qk_norm_rope.py", "--stages", "A", "--calls", "2", "--tilings", "32x4,8x1",
+         "--baseline-kernel", "track_1_short/kernels/qk_norm_rope.py", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert "--smoke" in data["command"] and set(data["cases"]) == {"A_paired", "A_unpaired"}
+    for case in data["cases"].values():
+        assert list(case["variants"]) == ["tile_32x4", "tile_8x1", "baseline"]
+        for v in case["variants"].values():
+            assert v["max_abs_diff_vs_first"] == 0.0
+            assert v["forward"]["ms"] > 0 and v["backward"]["ms"] > 0
+        assert case["floor_bytes"]["backward"] > case["floor_bytes"]["forward"] > 0
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    bad = subprocess.run([sys.executable, "bench/qk_norm_rope.py", "--smoke", "--tilings", "3x4",
+                          "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--tilings '3x4'" in bad.stderr
 
 
 def test_step_graphs_bench_smoke(tmp_path):
