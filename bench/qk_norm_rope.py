@@ -13,7 +13,7 @@ and sin) once. `gb_per_s` = floor bytes / kernel time. Every variant's outputs a
 the first's (`max_abs_diff_vs_first`; 0.0 expected between tilings: a row's math does not depend
 on its program).
 
-Variants: `tile_{row_slots}x{num_warps}` per --tilings entry (kernels/qk_norm_rope.Tiling; the
+Variants: `tile_{block_rows}x{num_warps}` per --tilings entry (kernels/qk_norm_rope.Tiling; the
 first is the first variant) and, with --baseline-kernel FILE (e.g. `git show
 REV:track_1_short/kernels/qk_norm_rope.py > FILE`), `baseline`: that file's forward_into /
 backward_into at its default Tiling, or for the first version (7784b2d and before, no
@@ -67,12 +67,12 @@ def load_baseline(path: str) -> types.ModuleType:
 
 
 def parse_tilings(text: str, kernels) -> list:
-    """'32x4,64x8' -> Tiling(row_slots, num_warps) each (UsageError naming the bad entry)."""
+    """'32x4,64x8' -> Tiling(block_rows, num_warps) each (UsageError naming the bad entry)."""
     out = []
     for item in text.split(","):
         try:
-            slots, warps = (int(v) for v in item.split("x"))
-            out.append(kernels.Tiling(row_slots=slots, num_warps=warps))
+            rows, warps = (int(v) for v in item.split("x"))
+            out.append(kernels.Tiling(block_rows=rows, num_warps=warps))
         except ValueError as e:
             raise UsageError(f"--tilings {item!r}: want ROWSxWARPS, powers of two ({e})") from None
     return out
@@ -92,7 +92,7 @@ def _variants(kernels, tilings, baseline):
             module.backward_into(gq, gk, qk, cos, sin, rstd, paired, dqk, tiling)
             return dqk
         return fwd, bwd
-    out = {f"tile_{t.row_slots}x{t.num_warps}": current_of(kernels, t) for t in tilings}
+    out = {f"tile_{t.block_rows}x{t.num_warps}": current_of(kernels, t) for t in tilings}
     if baseline is not None and hasattr(baseline, "forward_into"):  # this version or a later one
         out["baseline"] = current_of(baseline, baseline.Tiling())
     elif baseline is not None:  # the first version: its own launch, one program per 16 rows
@@ -176,8 +176,8 @@ def measure(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stages", default="A,C", help="comma-separated speedrun stages")
-    p.add_argument("--tilings", default="32x4,16x4,64x4,32x8,64x8,128x8",
-                   help="ROW_SLOTSxNUM_WARPS entries; the first is the reference variant")
+    p.add_argument("--tilings", default="16x4,8x4,32x4,16x8,32x8,64x8",
+                   help="BLOCK_ROWSxNUM_WARPS entries; the first is the reference variant")
     p.add_argument("--calls", type=int, default=20, help="profiled calls per kernel (>= 1)")
     p.add_argument("--baseline-kernel", default=None, help="an earlier kernels/qk_norm_rope.py")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, Triton interpreter")

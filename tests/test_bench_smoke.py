@@ -86,12 +86,12 @@ def test_ngram_event_bench_smoke(tmp_path):
 def test_qk_norm_rope_bench_smoke(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "qk.json"
-    _run("qk_norm_rope.py", "--stages", "A", "--calls", "2", "--tilings", "32x4,8x1",
+    _run("qk_norm_rope.py", "--stages", "A", "--calls", "2", "--tilings", "16x4,8x1",
          "--baseline-kernel", "track_1_short/kernels/qk_norm_rope.py", "--out", str(out))
     data = json.loads(out.read_text())
     assert "--smoke" in data["command"] and set(data["cases"]) == {"A_paired", "A_unpaired"}
     for case in data["cases"].values():
-        assert list(case["variants"]) == ["tile_32x4", "tile_8x1", "baseline"]
+        assert list(case["variants"]) == ["tile_16x4", "tile_8x1", "baseline"]
         for v in case["variants"].values():
             assert v["max_abs_diff_vs_first"] == 0.0
             assert v["forward"]["ms"] > 0 and v["backward"]["ms"] > 0

@@ -53,7 +53,7 @@ def _ptx(kernel, paired: bool) -> str:
     """`kernel` compiled for sm_90 at the speedrun's heads (6 x 128, bf16), every pointer aligned."""
     types = {"qk_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "gq_ptr": "*bf16",
              "gk_ptr": "*bf16", "dqk_ptr": "*bf16",
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_pos": "i32", "eps": "fp32"}
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32", "eps": "fp32"}
     _, _, meta = qk_norm_rope._launch(torch.empty(8, 2, 6, 128), paired, qk_norm_rope.Tiling())
     consts = {k: v for k, v in meta.items() if k != "num_warps"}
     return sm90_ptx(kernel, types, consts, [n for n in kernel.arg_names if n.endswith("_ptr")])

@@ -7,13 +7,13 @@ What it replaces (the reference, model/gpt.norm_rotate, which stays the definiti
 paired layer, `Yarn.rotate_doubled(pair_heads(.))`). Inductor compiles that into one or more
 reductions that ran at ~2.5x their memory floor at stage C (one program of 64 threads per
 (token, 3 heads); docs/LOG.md 2026-12-03, eighteenth session), three kernels plus copies on a
-paired layer. Here each program normalises and rotates the head rows of BLOCK_POS output
-positions (G = H rows per position, or H/2 paired, padded to a power of two GROUP_PAD and
-masked): read the projection's [T, 2, H, D] once, write q and k once, and read each position's
-table row once for its G head rows (a pair's two columns are split in registers: tl.split of
-the row viewed [D/2, 2]). The first version ran one program per 16 head rows and loaded the
-float32 table row for every head row: 2 KB of table per 512 B of activations moved, which held
-the pair at ~60% of the memory floor (bench/qk_norm_rope.py measures both).
+paired layer. Here each program normalises BLOCK_ROWS head rows of D columns and rotates them:
+read the projection's [T, 2, H, D] once, write q and k once (a pair's two columns are split in
+registers: tl.split of the row viewed [D/2, 2]). Each head row loads its position's float32 table
+row (2 KB of table per 512 B of activations moved): L1 and L2 serve the repeats, so the pair runs
+at the memory floor's pace regardless (H100, bench/qk_norm_rope.py: forward 2.54 TB/s, backward
+2.71 TB/s of the floor's bytes at stage A; a variant loading the table once per position measured
+the same, docs/results/qk_norm_rope_h100_2026-12-07/).
 
 Math, per head row x [D] (float32 inside, the activations' dtype outside):
   forward   r = 1 / sqrt(mean(x^2) + eps), y = x r, each pair (a, b) = (y[2i], y[2i+1]) ->
@@ -43,8 +43,7 @@ ValueError. Installed by trainer/build.py where TrainConfig.qk_norm_rope = "trit
 "torch": on the H200 the kernel took the stage-C step to 0.969x, but against a torch path that
 had regressed since; docs/results/README.md, eighteenth lease).
 
-Legend: T tokens, H heads, D head_dim, P table rows, R = T*H head rows per output, G head rows
-per output position (H, paired H/2), BP positions per program, GP = G padded to a power of two.
+Legend: T tokens, H heads, D head_dim, P table rows, R = T*H head rows per output.
 """
 
 from __future__ import annotations
@@ -59,35 +58,34 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from track_1_short.kernels.device import require_cuda_or_interpreter
 
-ROW_SLOTS = 32  # head rows per program (padded: BLOCK_POS positions x GROUP_PAD rows each)
-NUM_WARPS = 4
+BLOCK_ROWS = 16  # head rows per program
 
 
 @triton.jit
-def _sources(n, g, which, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
-    """Positions n [BP] and members g [GP] of q (which 0) or k (1) -> their input rows of
-    [T, 2, H, D], [BP, GP] int64. Output row n * G + g: unpaired head g of token n; paired head
-    2g + n % 2 of token n // 2 (attention.pair_heads' row (n, g))."""
+def _rows(o, which, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
+    """Output row o of q (which 0) or k (1) -> its input row of [T, 2, H, D] and table position."""
     if PAIRED:
-        t = (n // 2)[:, None]
-        h = 2 * g[None, :] + (n % 2)[:, None]
+        n = o // (NUM_HEADS // 2)
+        t = n // 2
+        h = 2 * (o % (NUM_HEADS // 2)) + n % 2
+        pos = n
     else:
-        t = n[:, None]
-        h = g[None, :]
-    return (t.to(tl.int64) * 2 + which) * NUM_HEADS + h
+        t = o // NUM_HEADS
+        h = o % NUM_HEADS
+        pos = t
+    return ((t * 2 + which) * NUM_HEADS + h).to(tl.int64), pos
 
 
 @triton.jit
-def _table(cos_ptr, sin_ptr, n, pmask, dtype, D: tl.constexpr, BLOCK_POS: tl.constexpr):
-    """The table row of each position n [BP], one value per pair (c[2i] = c[2i+1]), rounded to the
-    activations' dtype as Yarn.rotate does: c, s [BP, 1, D/2] float32, shared by the position's
-    head rows (loaded once per position, not once per head row)."""
-    tab = n.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    c = tl.load(cos_ptr + tab, mask=pmask[:, None], other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + tab, mask=pmask[:, None], other=0.0).to(dtype).to(tl.float32)
-    c, _ = tl.split(tl.reshape(c, (BLOCK_POS, D // 2, 2)))
-    s, _ = tl.split(tl.reshape(s, (BLOCK_POS, D // 2, 2)))
-    return c[:, None, :], s[:, None, :]
+def _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """The table row of each position, one value per pair (c[2i] = c[2i+1]), rounded to the
+    activations' dtype as Yarn.rotate does: c, s [BR, D/2] float32."""
+    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
+    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    c, _ = tl.split(tl.reshape(c, (BLOCK_ROWS, D // 2, 2)))
+    s, _ = tl.split(tl.reshape(s, (BLOCK_ROWS, D // 2, 2)))
+    return c, s
 
 
 @triton.jit
@@ -101,57 +99,45 @@ def _pick(which, q_ptr, k_ptr):
 
 
 @triton.jit
-def _block(n_pos, which, NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr,
-           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_POS: tl.constexpr):
-    """This program's positions n [BP] (row groups of the outputs), their mask, the input rows
-    src [BP, GP], output rows dst [BP, GP], the row mask [BP, GP] and the [BP, GP, D] element
-    offsets of the input and the outputs."""
-    n = tl.program_id(0) * BLOCK_POS + tl.arange(0, BLOCK_POS)  # [BP]
-    g = tl.arange(0, GROUP_PAD)  # [GP]; members >= GROUP are padding
-    pmask = n < n_pos
-    rmask = pmask[:, None] & (g < GROUP)[None, :]  # [BP, GP]
-    src = _sources(n, g, which, NUM_HEADS, PAIRED)
-    dst = n.to(tl.int64)[:, None] * GROUP + g[None, :]
-    cols = tl.arange(0, D)[None, None, :]
-    return n, pmask, src, rmask, src[:, :, None] * D + cols, dst[:, :, None] * D + cols
-
-
-@triton.jit
-def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_pos, eps,
-         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, GROUP: tl.constexpr,
-         GROUP_PAD: tl.constexpr, BLOCK_POS: tl.constexpr):
+def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_rows, eps,
+         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)  # 0: q, 1: k
-    n, pmask, src, rmask, x_off, o_off = _block(n_pos, which, NUM_HEADS, D, PAIRED, GROUP,
-                                                GROUP_PAD, BLOCK_POS)
-    mask = rmask[:, :, None]
+    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
+    rmask = o < n_rows
+    src, pos = _rows(o, which, NUM_HEADS, PAIRED)  # [BR] input rows of [T, 2, H, D], positions
+    cols = tl.arange(0, D)
+    mask = rmask[:, None]
+    x = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
+    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, qk_ptr.dtype.element_ty, D, BLOCK_ROWS)  # [BR, D/2]
+    a, b = tl.split(tl.reshape(x, (BLOCK_ROWS, D // 2, 2)))  # each pair (a, b) -> (ac - bs, bc + as)
+    out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_ROWS, D)) * rstd[:, None]
     dtype = qk_ptr.dtype.element_ty
-    x = tl.load(qk_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BP, GP, D]
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=2) / D + eps)  # [BP, GP]
-    c, s = _table(cos_ptr, sin_ptr, n, pmask, dtype, D, BLOCK_POS)  # [BP, 1, D/2]
-    # each pair (a, b) -> (ac - bs, bc + as)
-    a, b = tl.split(tl.reshape(x, (BLOCK_POS, GROUP_PAD, D // 2, 2)))
-    out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_POS, GROUP_PAD, D))
-    tl.store(_pick(which, q_ptr, k_ptr) + o_off, (out * rstd[:, :, None]).to(dtype), mask=mask)
+    dst = o.to(tl.int64)
+    tl.store(_pick(which, q_ptr, k_ptr) + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
     tl.store(rstd_ptr + src, rstd, mask=rmask)
 
 
 @triton.jit
-def _bwd(gq_ptr, gk_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_pos,
-         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, GROUP: tl.constexpr,
-         GROUP_PAD: tl.constexpr, BLOCK_POS: tl.constexpr):
+def _bwd(gq_ptr, gk_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
+         NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)
-    n, pmask, src, rmask, x_off, g_off = _block(n_pos, which, NUM_HEADS, D, PAIRED, GROUP,
-                                                GROUP_PAD, BLOCK_POS)
-    mask = rmask[:, :, None]
+    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rmask = o < n_rows
+    src, pos = _rows(o, which, NUM_HEADS, PAIRED)
+    cols = tl.arange(0, D)
+    mask = rmask[:, None]
+    g_rows = o.to(tl.int64)  # of q's gradient [R, D] or k's
+    g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_rows[:, None] * D + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
-    g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_off, mask=mask, other=0.0).to(tl.float32)
-    c, s = _table(cos_ptr, sin_ptr, n, pmask, dtype, D, BLOCK_POS)
-    ga, gb = tl.split(tl.reshape(g, (BLOCK_POS, GROUP_PAD, D // 2, 2)))  # the rotation's transpose
-    dy = tl.reshape(tl.join(ga * c + gb * s, gb * c - ga * s), (BLOCK_POS, GROUP_PAD, D))
-    rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, :, None]
-    y = tl.load(qk_ptr + x_off, mask=mask, other=0.0).to(tl.float32) * rstd
-    dx = rstd * (dy - y * (tl.sum(dy * y, axis=2) / D)[:, :, None])
-    tl.store(dqk_ptr + x_off, dx.to(dtype), mask=mask)
+    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D, BLOCK_ROWS)
+    ga, gb = tl.split(tl.reshape(g, (BLOCK_ROWS, D // 2, 2)))  # the rotation's transpose per pair
+    dy = tl.reshape(tl.join(ga * c + gb * s, gb * c - ga * s), (BLOCK_ROWS, D))
+    rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, None]
+    y = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
+    dx = rstd * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
+    tl.store(dqk_ptr + src[:, None] * D + cols[None, :], dx.to(dtype), mask=mask)
 
 
 def interpreted() -> bool:
@@ -179,45 +165,39 @@ def _check(qk: Tensor, cos: Tensor, paired: bool) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Launch shape of both kernels: about `row_slots` head rows per program (BLOCK_POS =
-    row_slots // GROUP_PAD positions of GROUP_PAD rows each, at least one) on `num_warps` warps."""
-    row_slots: int = ROW_SLOTS
-    num_warps: int = NUM_WARPS
+    """Launch shape of both kernels: `block_rows` head rows per program on `num_warps` warps."""
+    block_rows: int = BLOCK_ROWS
+    num_warps: int = 4
 
     def __post_init__(self):
-        for name in ("row_slots", "num_warps"):
+        for name in ("block_rows", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"qk_norm_rope Tiling.{name}={v} must be a power of two >= 1")
 
 
 def _launch(qk: Tensor, paired: bool, tiling: Tiling):
-    """(positions, grid, meta) of either kernel: one program per BLOCK_POS output positions (row
-    groups of G = H, or H/2 paired, head rows), of q and of k."""
+    """(R, grid, meta) of either kernel: one program per block_rows output rows, of q and of k."""
     t, _, h, d = qk.shape
-    group = h // 2 if paired else h
-    n_pos = 2 * t if paired else t
-    pad = triton.next_power_of_2(group)
-    block = max(1, tiling.row_slots // pad)
-    return n_pos, (triton.cdiv(n_pos, block), 2), dict(
-        NUM_HEADS=h, D=d, PAIRED=paired, GROUP=group, GROUP_PAD=pad, BLOCK_POS=block,
-        num_warps=tiling.num_warps)
+    n_rows = t * h
+    return n_rows, (triton.cdiv(n_rows, tiling.block_rows), 2), dict(
+        NUM_HEADS=h, D=d, PAIRED=paired, BLOCK_ROWS=tiling.block_rows, num_warps=tiling.num_warps)
 
 
 def forward_into(qk: Tensor, cos: Tensor, sin: Tensor, paired: bool, q: Tensor, k: Tensor,
                  rstd: Tensor, tiling: Tiling = Tiling()) -> None:
     """The forward kernel writing q, k [R, D] and rstd [T * 2 * H] (the op's outputs, allocated
     by the caller; bench/qk_norm_rope.py times tilings through it)."""
-    n_pos, grid, meta = _launch(qk, paired, tiling)
+    n_rows, grid, meta = _launch(qk, paired, tiling)
     eps = torch.finfo(torch.float32).eps  # F.rms_norm's default: its float32 opmath's epsilon
-    _fwd[grid](qk, cos, sin, q, k, rstd, n_pos, eps, **meta)
+    _fwd[grid](qk, cos, sin, q, k, rstd, n_rows, eps, **meta)
 
 
 def backward_into(gq: Tensor, gk: Tensor, qk: Tensor, cos: Tensor, sin: Tensor, rstd: Tensor,
                   paired: bool, dqk: Tensor, tiling: Tiling = Tiling()) -> None:
     """The backward kernel writing qk's gradient into dqk [T, 2, H, D] (gq, gk contiguous)."""
-    n_pos, grid, meta = _launch(qk, paired, tiling)
-    _bwd[grid](gq, gk, qk, cos, sin, rstd, dqk, n_pos, **meta)
+    n_rows, grid, meta = _launch(qk, paired, tiling)
+    _bwd[grid](gq, gk, qk, cos, sin, rstd, dqk, n_rows, **meta)
 
 
 @torch.library.custom_op("track_1_short::qk_norm_rope", mutates_args=())
