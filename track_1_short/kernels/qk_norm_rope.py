@@ -10,10 +10,10 @@ reductions that ran at ~2.5x their memory floor at stage C (one program of 64 th
 paired layer. Here each program normalises BLOCK_ROWS head rows of D columns and rotates them:
 read the projection's [T, 2, H, D] once, write q and k once (a pair's two columns are split in
 registers: tl.split of the row viewed [D/2, 2]). Each head row loads its position's float32 table
-row (2 KB of table per 512 B of activations moved): L1 and L2 serve the repeats, so the pair runs
-at the memory floor's pace regardless (H100, bench/qk_norm_rope.py: forward 2.54 TB/s, backward
-2.71 TB/s of the floor's bytes at stage A; a variant loading the table once per position measured
-the same, docs/results/qk_norm_rope_h100_2026-12-07/).
+row (2 KB of table per 512 B of activations moved); L1 and L2 serve the repeats: alone on an
+H100 the pair moves the floor's bytes at 2.54 TB/s forward and 2.71 backward at stage A (76% and
+81% of the HBM3 peak), and a layout reading each table row once per position measured the same
+(bench/qk_norm_rope.py, docs/results/qk_norm_rope_h100_2026-12-07/).
 
 Math, per head row x [D] (float32 inside, the activations' dtype outside):
   forward   r = 1 / sqrt(mean(x^2) + eps), y = x r, each pair (a, b) = (y[2i], y[2i+1]) ->
