@@ -113,6 +113,7 @@ def _variants(kernels, tilings, baseline):
 
 
 def _floor_bytes(t: int, h: int, d: int, paired: bool, elt: int) -> dict[str, int]:
+    """The bytes each kernel must move at least (module docstring), `elt` bytes per activation."""
     act = t * 2 * h * d * elt  # qk, or q and k together, or their gradients
     scales = t * 2 * h * 4
     table = (2 * t if paired else t) * d * 4 * 2  # cos and sin rows, once per position
