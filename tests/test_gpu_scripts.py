@@ -219,27 +219,37 @@ def test_fa4_install_refuses_a_missing_or_mismatched_half(tmp_path):
 
 def test_fa4_wheels_recut_sizes_the_first_part_to_the_tracked_files(tmp_path):
     """FA4_RECUT=1 joins the two parts, checks them against SHA256SUMS and cuts them again so the
-    first call (tracked files + .carry/fa4a + .carry/tiktoken) stays at 62.5 MiB; parts that do
-    not match their SHA256SUMS are exit 2, and the old parts stay."""
+    first call (tracked files + .carry/fa4a + .carry/tiktoken, by the blocks they take on disk)
+    stays at 62.5 MiB; parts that do not match their SHA256SUMS are exit 2, and the old parts
+    stay."""
     import hashlib
 
     (tmp_path / "scripts" / "gpu").mkdir(parents=True)
     (tmp_path / "scripts" / "gpu" / "fa4_wheels.sh").write_text((GPU / "fa4_wheels.sh").read_text())
     (tmp_path / ".gitignore").write_text(".carry/\n")
-    (tmp_path / "big.bin").write_bytes(b"")
     tiktoken = tmp_path / ".carry" / "tiktoken"
     tiktoken.mkdir(parents=True)
     (tiktoken / "gpt2").write_bytes(b"t" * 1000)
     _fake_fa4_carry(tmp_path)
-    blob = (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").read_bytes() + \
-        (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").read_bytes()
+    # a stand-in tarball larger than a disk block, so the cut lands inside it
+    blob = bytes(range(256)) * 64  # 16 KiB
+    (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").write_bytes(blob[:1000])
+    (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").write_bytes(blob[1000:])
+    (tmp_path / ".carry/fa4a/SHA256SUMS").write_text(f"{hashlib.sha256(blob).hexdigest()}  fa4.tar.xz\n")
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    tracked = 62 * 2**20 + 2**19 - 1000 - 300  # first part: 300 bytes after the tiktoken carry's 1000
-    other = sum(len(p.read_bytes()) for p in (tmp_path / ".gitignore", tmp_path / "scripts/gpu/fa4_wheels.sh"))
-    with open(tmp_path / "big.bin", "wb") as f:
-        f.truncate(tracked - other)
+
+    def allocated(path):  # what `du -B1` counts: the blocks the disk holds
+        return path.stat().st_blocks * 512
+    budget = 62 * 2**20 + 2**19 - allocated(tiktoken / "gpt2")
+    others = sum(allocated(tmp_path / p) for p in (".gitignore", "scripts/gpu/fa4_wheels.sh"))
+    # tracked files written (not sparse: the script counts blocks, as the device tool's limit
+    # does) to leave 8 KiB of the first call's 62.5 MiB for the first part
+    (tmp_path / "big.bin").write_bytes(b"b" * (budget - others - 8192))
     subprocess.run([*git, "add", "-A"], cwd=tmp_path, check=True)
+    tracked = sum(allocated(tmp_path / p) for p in (".gitignore", "big.bin", "scripts/gpu/fa4_wheels.sh"))
+    expected_part0 = budget - tracked
+    assert 0 < expected_part0 < len(blob)
 
     def recut():
         return subprocess.run(["bash", "scripts/gpu/fa4_wheels.sh"], cwd=tmp_path, capture_output=True,
@@ -249,7 +259,7 @@ def test_fa4_wheels_recut_sizes_the_first_part_to_the_tracked_files(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     part0 = (tmp_path / ".carry/fa4a/fa4.tar.xz.part0").read_bytes()
     part1 = (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").read_bytes()
-    assert len(part0) == 300 and part0 + part1 == blob
+    assert len(part0) == expected_part0 and part0 + part1 == blob
     assert hashlib.sha256(blob).hexdigest() in (tmp_path / ".carry/fa4a/SHA256SUMS").read_text()
     assert (tmp_path / ".carry/fa4a/PINS").read_text() == "flash-attn-4==stand-in\n"
     (tmp_path / ".carry/fa4b/fa4.tar.xz.part1").write_bytes(part1 + b"x")

@@ -53,8 +53,10 @@ else
   [[ "${FA4_FALLBACK:-0}" == 1 ]] && pins+=("${FALLBACK[@]}")
   printf '%s\n' "${pins[@]}" > "$tmp/PINS"
 fi
-tracked=$(git ls-files -z | xargs -0 -r du -cb | tail -1 | cut -f1)
-tiktoken=$(find .carry/tiktoken -type f -print0 2>/dev/null | xargs -0 -r du -cb | tail -1 | cut -f1 || true)
+# sizes as the disk holds them (du -B1: whole blocks), not byte sums: the device tool counts more
+# than the tracked files' bytes (a call was refused at a 63.3 MiB byte sum, 65.5 MiB in blocks)
+tracked=$(git ls-files -z | xargs -0 -r du -c -B1 | tail -1 | cut -f1)
+tiktoken=$(find .carry/tiktoken -type f -print0 2>/dev/null | xargs -0 -r du -c -B1 | tail -1 | cut -f1 || true)
 part0=$(( 62 * 1048576 + 524288 - tracked - ${tiktoken:-0} ))
 (( part0 > 0 )) || { echo "fa4_wheels: the tracked files (${tracked} bytes) leave no room for a carry" >&2; exit 1; }
 rm -rf .carry/fa4a .carry/fa4b
@@ -69,7 +71,7 @@ for part in .carry/fa4a .carry/fa4b; do
       'BEGIN { printf "fa4_wheels: %s %.1f MiB (+ %.1f MiB of tracked files)\n", p, b/1048576, t/1048576 }'
 done
 b=$(du -sb .carry/fa4b | cut -f1)
-data=$(du -sb data/embedded 2>/dev/null | cut -f1 || true)
+data=$(du -s -B1 data/embedded 2>/dev/null | cut -f1 || true)
 (( b + tracked + ${data:-8283750} + 524288 < 64 * 1048576 )) ||
   echo "fa4_wheels: .carry/fa4b with the tracked files leaves no room for data/embedded: carry" \
        "it in a third call of its own, right after the second" >&2
