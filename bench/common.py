@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -348,6 +349,25 @@ def measure_and_write(prog: str, args, measure) -> dict | None:
     result = {"command": command(), "machine": machine_info(device), **measured}
     write_json_atomic(Path(args.out), result)
     return result
+
+
+def load_module_file(path: str, repo_path: str, name: str,
+                     rename: tuple[str, str] | None = None) -> types.ModuleType:
+    """The Python file `path` (an earlier version of the project's `repo_path`, for a bench's A/B)
+    executed as module `name`, with the text `rename[0]` replaced by `rename[1]` first (e.g. a
+    custom-op namespace, so both versions register side by side); UsageError if there is no file."""
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--baseline-kernel {path}: no such file (write it with git show "
+                         f"REV:{repo_path} > {path})")
+    source = file.read_text()
+    if rename is not None:
+        source = source.replace(*rename)
+    module = types.ModuleType(name)
+    module.__file__ = str(file)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    exec(compile(source, str(file), "exec"), module.__dict__)  # noqa: S102 - a measuring instrument
+    return module
 
 
 def run_guarded(label: str, fn, errors: dict) -> object:

@@ -28,10 +28,8 @@ Smoke (CPU, tiny table, synthetic tokens; the reference only): PYTHONPATH=. pyth
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import sys
-from pathlib import Path
 
 import torch
 
@@ -49,13 +47,8 @@ ROW_PASSES = 8  # float32 row reads + writes per touched row (module docstring)
 def load_baseline(path: str):
     """`sparse_adam_rows` of the module file `path`, adapted to the store's call (extra scratch
     arguments the older signature does not name are dropped)."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--baseline-kernel {path}: no such file (write it with git show "
-                         f"REV:track_1_short/kernels/ngram_adam.py > {path})")
-    spec = importlib.util.spec_from_file_location("ngram_adam_baseline", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = common.load_module_file(path, "track_1_short/kernels/ngram_adam.py",
+                                     "ngram_adam_baseline")
     fn = getattr(module, "sparse_adam_rows", None)
     if fn is None:
         raise UsageError(f"--baseline-kernel {path}: defines no sparse_adam_rows")

@@ -36,7 +36,6 @@ import os
 import sys
 import time
 import types
-from pathlib import Path
 
 import torch
 
@@ -50,15 +49,9 @@ from track_1_short.schedule import SPEEDRUN_STAGES
 
 def load_baseline(path: str) -> types.ModuleType:
     """The kernel module file `path`, its custom ops renamed (module docstring)."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--baseline-kernel {path}: no such file (write it with git show "
-                         f"REV:track_1_short/kernels/qk_norm_rope.py > {path})")
-    source = file.read_text().replace('"track_1_short::', '"qk_norm_rope_baseline::')
-    module = types.ModuleType("qk_norm_rope_baseline")
-    module.__file__ = str(file)
-    sys.modules[module.__name__] = module  # dataclasses look their module up while it executes
-    exec(compile(source, str(file), "exec"), module.__dict__)  # noqa: S102 - a measuring instrument
+    module = common.load_module_file(path, "track_1_short/kernels/qk_norm_rope.py",
+                                     "qk_norm_rope_baseline",
+                                     rename=('"track_1_short::', '"qk_norm_rope_baseline::'))
     first_version = all(hasattr(module, n) for n in ("_fwd", "_bwd", "_launch"))
     if not (hasattr(module, "forward_into") or first_version):
         raise UsageError(f"--baseline-kernel {path}: defines neither forward_into nor "

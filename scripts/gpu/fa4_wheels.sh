@@ -66,11 +66,11 @@ cp "$tmp/PINS" .carry/fa4a/PINS
 head -c "$part0" "$tmp/fa4.tar.xz" > .carry/fa4a/fa4.tar.xz.part0
 tail -c +$(( part0 + 1 )) "$tmp/fa4.tar.xz" > .carry/fa4b/fa4.tar.xz.part1
 for part in .carry/fa4a .carry/fa4b; do
-  b=$(du -sb "$part" | cut -f1)
+  b=$(du -s -B1 "$part" | cut -f1)
   awk -v p="$part" -v b="$b" -v t="$tracked" \
       'BEGIN { printf "fa4_wheels: %s %.1f MiB (+ %.1f MiB of tracked files)\n", p, b/1048576, t/1048576 }'
 done
-b=$(du -sb .carry/fa4b | cut -f1)
+b=$(du -s -B1 .carry/fa4b | cut -f1)
 data=$(du -s -B1 data/embedded 2>/dev/null | cut -f1 || true)
 (( b + tracked + ${data:-8283750} + 524288 < 64 * 1048576 )) ||
   echo "fa4_wheels: .carry/fa4b with the tracked files leaves no room for data/embedded: carry" \

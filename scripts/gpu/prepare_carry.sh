@@ -60,12 +60,14 @@ if [[ ! -f data/embedded-large/manifest.json ]]; then
 fi
 
 carry=(.carry/anchor_src .carry/anchor_modded .carry/tiktoken data/embedded-large)
-tracked=$(git ls-files -z | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
-untracked=$(git ls-files -o --exclude-standard -z | xargs -0 -r du -cb 2>/dev/null | tail -1 | cut -f1)
+# sizes as the disk holds them (du -B1: whole blocks), as the device tool's limit counts (it
+# refused a call whose byte sum was 63.3 MiB; scripts/gpu/fa4_wheels.sh counts the same way)
+tracked=$(git ls-files -z | xargs -0 -r du -c -B1 2>/dev/null | tail -1 | cut -f1)
+untracked=$(git ls-files -o --exclude-standard -z | xargs -0 -r du -c -B1 2>/dev/null | tail -1 | cut -f1)
 total=$(( tracked + ${untracked:-0} ))
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1048576 }'; }
 for p in "${carry[@]}"; do
-  b=$(du -sb "$p" | cut -f1)
+  b=$(du -s -B1 "$p" | cut -f1)
   total=$(( total + b ))
   printf 'prepare_carry: %-22s %6s MiB\n' "$p" "$(mib "$b")"
 done
