@@ -8,10 +8,11 @@ speedrun model's H heads of D, bfloat16) and each layer kind (unpaired [T, H, D]
 torch.profiler (CUDA activity only); per kernel, its device time per call (the profiler's
 durations: the host's launch cost is not in them). Bytes each kernel must move (the floor):
 forward reads qk and writes q, k and the row scales; backward reads q's and k's gradients, qk
-and the row scales and writes qk's gradient; both read each position's table row (float32 cos
-and sin) once. `gb_per_s` = floor bytes / kernel time. Every variant's outputs are compared with
-the first's (`max_abs_diff_vs_first`; 0.0 expected between tilings: a row's math does not depend
-on its program).
+and the row scales and writes qk's gradient; both read the rotating half of each position's
+table row (float32 cos and sin, columns [0, D/2)) once (docs/results/qk_norm_rope_h100_2026-12-07/
+counted whole rows, as the kernels then read them). `gb_per_s` = floor bytes / kernel time.
+Every variant's outputs are compared with the first's (`max_abs_diff_vs_first`; 0.0 expected
+between tilings: a row's math does not depend on its program).
 
 Variants: `tile_{block_rows}x{num_warps}` per --tilings entry (kernels/qk_norm_rope.Tiling; the
 first is the first variant) and, with --baseline-kernel FILE (e.g. `git show
@@ -109,7 +110,9 @@ def _floor_bytes(t: int, h: int, d: int, paired: bool, elt: int) -> dict[str, in
     """The bytes each kernel must move at least (module docstring), `elt` bytes per activation."""
     act = t * 2 * h * d * elt  # qk, or q and k together, or their gradients
     scales = t * 2 * h * 4
-    table = (2 * t if paired else t) * d * 4 * 2  # cos and sin rows, once per position
+    # the rotating half (columns [0, D/2), each pair's value repeated) of the float32 cos and sin
+    # rows, once per position: the stationary half is never read
+    table = (2 * t if paired else t) * (d // 2) * 4 * 2
     return {"forward": 2 * act + scales + table, "backward": 3 * act + scales + table}
 
 

@@ -3,7 +3,8 @@
 Scope: the fused q/k rms-norm + RoPE against the model's torch path (model/gpt.norm_rotate: rms_norm,
 then Yarn.rotate, or on a paired layer Yarn.rotate_doubled(pair_heads(.))),
 forward values and the gradient of qk, unpaired and paired, float32 and bfloat16, after a YaRN
-window change, at a head-row count that is not a multiple of the kernel's row block; the whole
+window change, at a head-row count that is not a multiple of the kernel's row block; the
+tables' stationary half left unread; the whole
 tiny GPT (four heads: loss and every gradient) with the kernel installed against without; the
 op under torch.compile(fullgraph) with its backward graph read (q's and k's gradients handed over as
 they are); a gradient through q alone; and the input errors.
@@ -87,6 +88,30 @@ def test_every_tiling_computes_the_same_rows(paired, tiling):
         kernel_module.forward_into(qk, cos, sin, paired, q, k, rstd, launch)
         dqk = torch.full_like(qk, float("nan"))
         kernel_module.backward_into(gq, gk, qk, cos, sin, rstd, paired, dqk, launch)
+        runs.append((q, k, rstd, dqk))
+    for ref, got in zip(*runs):
+        assert not got.isnan().any() and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_the_stationary_half_of_the_table_is_not_read(paired):
+    """The tables' columns [D/2, D) (cos 1, sin 0 at every window: tests/test_yarn.py) are not
+    loaded: NaN there leaves forward and backward bit for bit as they were."""
+    torch.manual_seed(2)
+    t, h, d = 9, 6, 16
+    yarn = Yarn(head_dim=d, max_position=32, paired=paired)
+    yarn.extend_window(16, 48)
+    qk = torch.randn(t, 2, h, d)
+    gq, gk = torch.randn(2, t * h, d)
+    runs = []
+    for poison in (False, True):
+        cos, sin = (z.clone() for z in yarn.head_tables())
+        if poison:
+            cos[:, d // 2:], sin[:, d // 2:] = float("nan"), float("nan")
+        q, k, rstd = kernel_module._qk_norm_rope_fake(qk, cos, sin, paired)
+        kernel_module.forward_into(qk, cos, sin, paired, q, k, rstd)
+        dqk = torch.empty_like(qk)
+        kernel_module.backward_into(gq, gk, qk, cos, sin, rstd, paired, dqk)
         runs.append((q, k, rstd, dqk))
     for ref, got in zip(*runs):
         assert not got.isnan().any() and torch.equal(got, ref)

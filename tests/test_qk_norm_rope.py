@@ -23,7 +23,7 @@ from track_1_short.kernels import qk_norm_rope  # noqa: E402
 from track_1_short.model.gpt import GPT, GPTConfig  # noqa: E402
 from track_1_short.trainer import build  # noqa: E402
 
-NUM_CASES = 16  # tests in qk_norm_rope_cases.py (parametrizations included)
+NUM_CASES = 18  # tests in qk_norm_rope_cases.py (parametrizations included)
 
 
 def test_kernel_cases_in_the_triton_interpreter():

@@ -55,6 +55,27 @@ def test_tables_update_in_place_after_extend_window():
     assert torch.all(y.sin[:, 32:] == 0)
 
 
+@pytest.mark.parametrize("paired", [False, True])
+def test_the_stationary_half_is_exactly_cos_1_sin_0_at_every_window(paired):
+    """kernels/qk_norm_rope.py reads only the rotating columns [0, D/2) of head_tables() and takes
+    cos 1, sin 0 for the rest: those values must hold exactly, at every window and after reset."""
+    d = 32
+    y = Yarn(head_dim=d, max_position=64, paired=paired)
+
+    def check():
+        cos, sin = y.head_tables()  # [rows, D]
+        assert torch.equal(cos[:, d // 2:], torch.ones_like(cos[:, d // 2:]))
+        assert torch.equal(sin[:, d // 2:], torch.zeros_like(sin[:, d // 2:]))
+        assert not torch.equal(sin[1:, :d // 2], torch.zeros_like(sin[1:, :d // 2]))  # the rest moves
+
+    check()
+    for old, new in zip(WINDOWS, WINDOWS[1:]):
+        y.extend_window(old, new)
+        check()
+    y.reset()
+    check()
+
+
 def test_paired_table_interleaves_positions():
     plain = Yarn(head_dim=64, max_position=64)
     paired = Yarn(head_dim=64, max_position=32, paired=True)

@@ -9,10 +9,12 @@ reductions that ran at ~2.5x their memory floor at stage C (one program of 64 th
 (token, 3 heads); docs/LOG.md 2026-12-03, eighteenth session), three kernels plus copies on a
 paired layer. Here each program normalises BLOCK_ROWS head rows of D columns and rotates them:
 read the projection's [T, 2, H, D] once, write q and k once (a pair's two columns are split in
-registers: tl.split of the row viewed [D/2, 2]). Each head row loads its position's float32 table
-row (2 KB of table per 512 B of activations moved); L1 and L2 serve the repeats: alone on an
-H100 the pair moves the floor's bytes at 2.54 TB/s forward and 2.71 backward at stage A (76% and
-81% of the HBM3 peak), and a layout reading each table row once per position measured the same
+registers: tl.split of the row viewed [D/2, 2]). Each head row loads the rotating pairs of its
+position's float32 table row: one value per pair (columns 2i, i < D/4), the stationary half (cos
+1, sin 0 at every window) never read; L1 and L2 serve the repeats across a position's heads.
+Alone on an H100, with the whole table row read (2 KB per 512 B of activations moved), the pair
+moved the floor's bytes at 2.54 TB/s forward and 2.71 backward at stage A (76% and 81% of the
+HBM3 peak), and a layout reading each table row once per position measured the same
 (bench/qk_norm_rope.py, docs/results/qk_norm_rope_h100_2026-12-07/).
 
 Math, per head row x [D] (float32 inside, the activations' dtype outside):
@@ -77,14 +79,16 @@ def _rows(o, which, NUM_HEADS: tl.constexpr, PAIRED: tl.constexpr):
 
 
 @triton.jit
-def _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    """The table row of each position, one value per pair (c[2i] = c[2i+1]), rounded to the
-    activations' dtype as Yarn.rotate does: c, s [BR, D/2] float32."""
-    tab = pos.to(tl.int64)[:, None] * D + cols[None, :]
-    c = tl.load(cos_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + tab, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    c, _ = tl.split(tl.reshape(c, (BLOCK_ROWS, D // 2, 2)))
-    s, _ = tl.split(tl.reshape(s, (BLOCK_ROWS, D // 2, 2)))
+def _table(cos_ptr, sin_ptr, pos, mask, dtype, D: tl.constexpr):
+    """The table value of each pair at its row's position, rounded to the activations' dtype as
+    Yarn.rotate does: c, s [BR, D/2] float32. Only the rotating pairs [0, D/4) are read (column
+    2i of the table; c[2i] = c[2i+1]); the stationary pairs [D/4, D/2) take cos 1, sin 0, the
+    values their columns hold at every window (model/yarn.py: frequency 0 stays 0)."""
+    pairs = tl.arange(0, D // 2)
+    rot = mask & (pairs < D // 4)[None, :]
+    tab = pos.to(tl.int64)[:, None] * D + 2 * pairs[None, :]
+    c = tl.load(cos_ptr + tab, mask=rot, other=1.0).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + tab, mask=rot, other=0.0).to(dtype).to(tl.float32)
     return c, s
 
 
@@ -109,7 +113,7 @@ def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_rows, eps,
     mask = rmask[:, None]
     x = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
-    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, qk_ptr.dtype.element_ty, D, BLOCK_ROWS)  # [BR, D/2]
+    c, s = _table(cos_ptr, sin_ptr, pos, mask, qk_ptr.dtype.element_ty, D)  # [BR, D/2]
     a, b = tl.split(tl.reshape(x, (BLOCK_ROWS, D // 2, 2)))  # each pair (a, b) -> (ac - bs, bc + as)
     out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_ROWS, D)) * rstd[:, None]
     dtype = qk_ptr.dtype.element_ty
@@ -131,7 +135,7 @@ def _bwd(gq_ptr, gk_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
     g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_rows[:, None] * D + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
-    c, s = _table(cos_ptr, sin_ptr, pos, cols, mask, dtype, D, BLOCK_ROWS)
+    c, s = _table(cos_ptr, sin_ptr, pos, mask, dtype, D)
     ga, gb = tl.split(tl.reshape(g, (BLOCK_ROWS, D // 2, 2)))  # the rotation's transpose per pair
     dy = tl.reshape(tl.join(ga * c + gb * s, gb * c - ga * s), (BLOCK_ROWS, D))
     rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, None]
@@ -153,8 +157,9 @@ def _check(qk: Tensor, cos: Tensor, paired: bool) -> None:
         raise ValueError(f"qk_norm_rope: qk must be a contiguous [T, 2, H, D] tensor, got "
                          f"{tuple(qk.shape)}")
     h, d = qk.shape[2:]
-    if d < 2 or d & (d - 1):
-        raise ValueError(f"qk_norm_rope: head_dim={d} must be a power of two")
+    if d < 4 or d & (d - 1):
+        raise ValueError(f"qk_norm_rope: head_dim={d} must be a power of two >= 4 (a quarter of "
+                         f"its columns are the rotating pairs)")
     if paired and h % 2:
         raise ValueError(f"qk_norm_rope: paired heads need an even head count, got {h}")
     rows = 2 * qk.shape[0] if paired else qk.shape[0]
