@@ -103,22 +103,31 @@ def _pick(which, q_ptr, k_ptr):
 
 
 @triton.jit
+def _block(n_rows, which, NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr,
+           BLOCK_ROWS: tl.constexpr):
+    """This program's rows of q (which 0) or k (1): their input rows src [BR] (of [T, 2, H, D];
+    the row scales' index too), table positions pos [BR], the row mask [BR] and its [BR, D] broadcast, and the [BR, D] element
+    offsets of the input rows (into [T, 2, H, D]) and of the output rows (into q's or k's [R, D])."""
+    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
+    rmask = o < n_rows
+    src, pos = _rows(o, which, NUM_HEADS, PAIRED)
+    cols = tl.arange(0, D)[None, :]
+    return (src, pos, rmask, rmask[:, None], src[:, None] * D + cols,
+            o.to(tl.int64)[:, None] * D + cols)
+
+
+@triton.jit
 def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_rows, eps,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)  # 0: q, 1: k
-    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BR] output rows
-    rmask = o < n_rows
-    src, pos = _rows(o, which, NUM_HEADS, PAIRED)  # [BR] input rows of [T, 2, H, D], positions
-    cols = tl.arange(0, D)
-    mask = rmask[:, None]
-    x = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    src, pos, rmask, mask, x_off, o_off = _block(n_rows, which, NUM_HEADS, D, PAIRED, BLOCK_ROWS)
+    dtype = qk_ptr.dtype.element_ty
+    x = tl.load(qk_ptr + x_off, mask=mask, other=0.0).to(tl.float32)  # [BR, D]
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # [BR]
-    c, s = _table(cos_ptr, sin_ptr, pos, mask, qk_ptr.dtype.element_ty, D)  # [BR, D/2]
+    c, s = _table(cos_ptr, sin_ptr, pos, mask, dtype, D)  # [BR, D/2]
     a, b = tl.split(tl.reshape(x, (BLOCK_ROWS, D // 2, 2)))  # each pair (a, b) -> (ac - bs, bc + as)
     out = tl.reshape(tl.join(a * c - b * s, b * c + a * s), (BLOCK_ROWS, D)) * rstd[:, None]
-    dtype = qk_ptr.dtype.element_ty
-    dst = o.to(tl.int64)
-    tl.store(_pick(which, q_ptr, k_ptr) + dst[:, None] * D + cols[None, :], out.to(dtype), mask=mask)
+    tl.store(_pick(which, q_ptr, k_ptr) + o_off, out.to(dtype), mask=mask)
     tl.store(rstd_ptr + src, rstd, mask=rmask)
 
 
@@ -126,22 +135,16 @@ def _fwd(qk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, rstd_ptr, n_rows, eps,
 def _bwd(gq_ptr, gk_ptr, qk_ptr, cos_ptr, sin_ptr, rstd_ptr, dqk_ptr, n_rows,
          NUM_HEADS: tl.constexpr, D: tl.constexpr, PAIRED: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     which = tl.program_id(1)
-    o = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    rmask = o < n_rows
-    src, pos = _rows(o, which, NUM_HEADS, PAIRED)
-    cols = tl.arange(0, D)
-    mask = rmask[:, None]
-    g_rows = o.to(tl.int64)  # of q's gradient [R, D] or k's
-    g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_rows[:, None] * D + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    src, pos, rmask, mask, x_off, g_off = _block(n_rows, which, NUM_HEADS, D, PAIRED, BLOCK_ROWS)
     dtype = qk_ptr.dtype.element_ty
+    g = tl.load(_pick(which, gq_ptr, gk_ptr) + g_off, mask=mask, other=0.0).to(tl.float32)
     c, s = _table(cos_ptr, sin_ptr, pos, mask, dtype, D)
     ga, gb = tl.split(tl.reshape(g, (BLOCK_ROWS, D // 2, 2)))  # the rotation's transpose per pair
     dy = tl.reshape(tl.join(ga * c + gb * s, gb * c - ga * s), (BLOCK_ROWS, D))
     rstd = tl.load(rstd_ptr + src, mask=rmask, other=0.0)[:, None]
-    y = tl.load(qk_ptr + src[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32) * rstd
+    y = tl.load(qk_ptr + x_off, mask=mask, other=0.0).to(tl.float32) * rstd
     dx = rstd * (dy - y * (tl.sum(dy * y, axis=1) / D)[:, None])
-    tl.store(dqk_ptr + src[:, None] * D + cols[None, :], dx.to(dtype), mask=mask)
+    tl.store(dqk_ptr + x_off, dx.to(dtype), mask=mask)
 
 
 def interpreted() -> bool:
